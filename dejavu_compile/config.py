@@ -1,0 +1,101 @@
+"""Backend options: one definition of every default, shared by the API and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SELECTORS = ("oracle", "predictor")
+GRANULARITIES = ("head", "group")
+INNER_COMPILERS = ("inductor", "eager")
+
+DEFAULT_INNER = "inductor"
+DEFAULT_GRANULARITY = "head"
+
+
+def _check_density(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"option {name!r} must be a number in (0, 1], got {value!r}")
+    if not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"option {name!r} must be in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class DejavuOptions:
+    """What ``torch.compile(model, backend="dejavu", options={...})`` accepts.
+
+    profile: a profile YAML path or a loaded ``Profile``; it fixes the selector and per-layer
+        densities. Without one, ``selector`` must be ``"oracle"`` and the densities below apply
+        to every matched layer.
+    selector: ``"oracle"`` (true top-k from the dense computation, a quality ceiling) or
+        ``"predictor"`` (needs a profile with predictor weights). With a profile, ``"oracle"``
+        replaces its predictors by the oracle at the profile's densities.
+    mlp_density / attention_density: fraction of MLP neurons / attention heads kept per decoded
+        token when no profile is given; ``None`` leaves that block dense.
+    attention_granularity: ``"head"`` (query heads) or ``"group"`` (whole KV groups of
+        grouped-query attention) when no profile is given.
+    dense_layers: layer indices kept dense whatever the densities say.
+    inner: the compiler that receives the rewritten graph, ``"inductor"`` or ``"eager"``.
+    """
+
+    version: int = 1
+    profile: Any = None
+    selector: str | None = None
+    mlp_density: float | None = None
+    attention_density: float | None = None
+    attention_granularity: str = DEFAULT_GRANULARITY
+    dense_layers: tuple[int, ...] = ()
+    inner: str = DEFAULT_INNER
+
+    def __post_init__(self) -> None:
+        if self.version != 1:
+            raise ValueError(f"unsupported options version {self.version}; this build reads 1")
+        if self.selector is not None and self.selector not in SELECTORS:
+            raise ValueError(f"option 'selector' must be one of {SELECTORS}, got {self.selector!r}")
+        _check_density("mlp_density", self.mlp_density)
+        _check_density("attention_density", self.attention_density)
+        if self.attention_granularity not in GRANULARITIES:
+            raise ValueError(
+                f"option 'attention_granularity' must be one of {GRANULARITIES}, "
+                f"got {self.attention_granularity!r}"
+            )
+        if self.inner not in INNER_COMPILERS:
+            raise ValueError(f"option 'inner' must be one of {INNER_COMPILERS}, got {self.inner!r}")
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        if self.profile is None:
+            if self.selector is None:
+                raise ValueError(
+                    "backend 'dejavu' needs options={'profile': 'profiles/NAME.yaml'} or, for an "
+                    "experiment without one, options={'selector': 'oracle', 'mlp_density': 0.5}"
+                )
+            if self.selector == "predictor":
+                raise ValueError("selector 'predictor' needs a profile with predictor weights")
+        elif self.mlp_density is not None or self.attention_density is not None:
+            raise ValueError(
+                "give either a profile or mlp_density/attention_density, not both: "
+                "the profile sets per-layer densities"
+            )
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None) -> DejavuOptions:
+        """Build options from the ``options`` dict of ``torch.compile``; unknown keys are errors."""
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown dejavu option(s) {unknown}; known: {sorted(known)}")
+        return cls(**options)
+
+
+@dataclass
+class Counters:
+    """Rewrite counts, printed with the compile report."""
+
+    values: dict[str, int] = field(default_factory=dict)
+
+    def add(self, key: str, n: int = 1) -> None:
+        self.values[key] = self.values.get(key, 0) + n

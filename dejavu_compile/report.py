@@ -1,0 +1,230 @@
+"""The compile report: per layer, which blocks were matched, how they run, and the bytes of
+weights each decoded token reads, dense and sparse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+@dataclass
+class BlockRow:
+    """One block of one layer. Bytes are weight bytes read per decoded token (batch 1)."""
+
+    kind: str
+    selector: str
+    kept: float  # fraction of units computed per token (1.0 when dense)
+    k: int
+    units: int
+    dense_bytes: int
+    sparse_bytes: int  # bytes the block's ops read at the kept fraction
+    selector_bytes: int  # bytes the selector reads (predictor weights; dense weights for oracle)
+    reason: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.sparse_bytes + self.selector_bytes
+
+
+@dataclass
+class LayerRow:
+    layer: int
+    mlp: BlockRow | None = None
+    attention: BlockRow | None = None
+
+    def blocks(self) -> list[BlockRow]:
+        return [b for b in (self.attention, self.mlp) if b is not None]
+
+
+@dataclass
+class GraphReport:
+    """What the backend did to one Dynamo graph."""
+
+    index: int
+    layers: list[LayerRow]
+    unmatched: list[str]
+    counters: dict[str, int]
+    other_bytes: int  # parameters outside matched blocks (embeddings, norms, head), read densely
+    params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary, repr=False)
+
+    @property
+    def bytes_dense(self) -> int:
+        return self.other_bytes + sum(b.dense_bytes for r in self.layers for b in r.blocks())
+
+    @property
+    def bytes_sparse(self) -> int:
+        return self.other_bytes + sum(b.total_bytes for r in self.layers for b in r.blocks())
+
+
+@dataclass
+class CompileReport:
+    """Every graph compiled for one model; ``layers`` and the byte totals describe the graph
+    covering the most layers (the decode graph of a model Dynamo compiles whole)."""
+
+    graphs: list[GraphReport]
+
+    @property
+    def main(self) -> GraphReport:
+        return max(reversed(self.graphs), key=lambda g: len(g.layers))
+
+    @property
+    def layers(self) -> list[LayerRow]:
+        return self.main.layers
+
+    @property
+    def unmatched(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for g in self.graphs:
+            seen.update(dict.fromkeys(g.unmatched))
+        return list(seen)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for g in self.graphs:
+            for key, n in g.counters.items():
+                total[key] = total.get(key, 0) + n
+        return total
+
+    @property
+    def bytes_dense(self) -> int:
+        return self.main.bytes_dense
+
+    @property
+    def bytes_sparse(self) -> int:
+        return self.main.bytes_sparse
+
+    def to_dict(self) -> dict[str, Any]:
+        def block(b: BlockRow | None):
+            if b is None:
+                return None
+            return {
+                "selector": b.selector, "kept": round(b.kept, 4), "k": b.k, "units": b.units,
+                "dense_bytes": b.dense_bytes, "sparse_bytes": b.sparse_bytes,
+                "selector_bytes": b.selector_bytes, "reason": b.reason,
+            }
+
+        return {
+            "graphs": len(self.graphs),
+            "bytes_per_token_dense": self.bytes_dense,
+            "bytes_per_token_sparse": self.bytes_sparse,
+            "other_bytes": self.main.other_bytes,
+            "layers": [
+                {"layer": r.layer, "attention": block(r.attention), "mlp": block(r.mlp)}
+                for r in self.layers
+            ],
+            "unmatched": self.unmatched,
+            "counters": self.counters,
+        }
+
+    def __str__(self) -> str:
+        def cell(b: BlockRow | None) -> str:
+            if b is None:
+                return "-"
+            if b.selector == "dense":
+                return "dense"
+            return f"{b.selector} {b.k}/{b.units}"
+
+        mb = 1 / 2**20
+        lines = [
+            f"dejavu compile report: {len(self.graphs)} graph(s), {len(self.layers)} layer(s)",
+            f"{'layer':>5}  {'attention':<22} {'mlp':<22} {'dense MiB':>9} {'sparse MiB':>10}",
+        ]
+        for r in self.layers:
+            dense = sum(b.dense_bytes for b in r.blocks()) * mb
+            sparse = sum(b.total_bytes for b in r.blocks()) * mb
+            lines.append(
+                f"{r.layer:>5}  {cell(r.attention):<22} {cell(r.mlp):<22} {dense:>9.2f} {sparse:>10.2f}"
+            )
+        lines.append(
+            f"bytes per decoded token: dense {self.bytes_dense * mb:.2f} MiB, sparse "
+            f"{self.bytes_sparse * mb:.2f} MiB (selectors included; other parameters "
+            f"{self.main.other_bytes * mb:.2f} MiB read densely)"
+        )
+        reasons = sorted({f"layer {r.layer} {b.kind}: {b.reason}" for r in self.layers
+                          for b in r.blocks() if b.reason})
+        for line in reasons + [f"dense: {u}" for u in self.unmatched]:
+            lines.append(f"  {line}")
+        lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
+        return "\n".join(lines)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _weights(lin) -> int:
+    return _nbytes(lin.weight)
+
+
+def _predictor_bytes(ctx, layer: int, kind: str) -> int:
+    prefix = f"layers.{layer}.{kind}."
+    return sum(_nbytes(t) for name, t in ctx.predictors.items() if name.startswith(prefix))
+
+
+def _mlp_row(ctx, block, plan) -> BlockRow:
+    lins = block.linears()
+    dense = sum(lin.nbytes() for lin in lins)
+    frac = plan.kept_fraction
+    gathered = sum(_weights(lin) for lin in lins) + _nbytes(block.first.bias)
+    sparse = round(frac * gathered) + _nbytes(block.down.bias)
+    if plan.selector == "oracle":
+        selector = block.first.nbytes() + (_weights(block.up) if block.up is not None else 0)
+    elif plan.selector == "predictor":
+        selector = _predictor_bytes(ctx, block.layer, "mlp")
+    else:
+        sparse, selector = dense, 0
+    return BlockRow("mlp", plan.selector, frac, plan.k, plan.units, dense, sparse, selector,
+                    plan.reason)
+
+
+def _attention_row(ctx, block, plan) -> BlockRow:
+    dense = sum(lin.nbytes() for lin in block.linears())
+    frac = plan.kept_fraction
+    kv = block.k.nbytes() + block.v.nbytes()
+    o_part = round(frac * _weights(block.o)) + _nbytes(block.o.bias)
+    if plan.selector == "oracle":
+        # q stays dense (the oracle ranks heads on the dense attention output) and the oracle
+        # reads the whole output projection to score heads.
+        sparse = block.q.nbytes() + kv + o_part
+        selector = _weights(block.o)
+    elif plan.selector == "predictor":
+        sparse = round(frac * block.q.nbytes()) + kv + o_part
+        selector = _predictor_bytes(ctx, block.layer, "attention")
+    else:
+        sparse, selector = dense, 0
+    return BlockRow("attention", plan.selector, frac, plan.k * plan.group,
+                    plan.units * plan.group, dense, sparse, selector, plan.reason)
+
+
+def build_graph_report(ctx, index: int) -> GraphReport:
+    """Summarise one backend call from its ``PassContext`` (after all passes ran)."""
+    disc = ctx.discovery
+    rows = []
+    in_blocks: set[int] = set()
+    for layer in disc.layers:
+        row = LayerRow(layer)
+        if layer in disc.mlp:
+            row.mlp = _mlp_row(ctx, disc.mlp[layer], ctx.plan[(layer, "mlp")])
+            in_blocks.update(id(lin.weight) for lin in disc.mlp[layer].linears())
+            in_blocks.update(id(lin.bias) for lin in disc.mlp[layer].linears())
+        if layer in disc.attention:
+            row.attention = _attention_row(ctx, disc.attention[layer], ctx.plan[(layer, "attention")])
+            in_blocks.update(id(lin.weight) for lin in disc.attention[layer].linears())
+            in_blocks.update(id(lin.bias) for lin in disc.attention[layer].linears())
+        rows.append(row)
+    params = [v for v in ctx.example_inputs if isinstance(v, torch.nn.Parameter)]
+    seen: dict[int, torch.Tensor] = {id(p): p for p in params if id(p) not in in_blocks}
+    report = GraphReport(
+        index=index,
+        layers=rows,
+        unmatched=list(disc.unmatched),
+        counters=dict(ctx.counters.values),
+        other_bytes=sum(_nbytes(p) for p in seen.values()),
+    )
+    for p in params:
+        report.params[p] = True
+    return report

@@ -1,0 +1,126 @@
+"""``torch.ops.dejavu.*``: the sparse ops the passes insert.
+
+Each op is a ``torch.library.custom_op`` whose default implementation is the reference in
+``kernels/reference.py`` (used on CPU) and whose fake implementation gives shapes for Dynamo,
+Inductor and export. Device kernels (Triton on CUDA) register on top with
+``op.register_kernel("cuda")``; nothing else changes when they do.
+
+Shapes: ``x`` [..., T, d]; selections ``[..., T, k]`` int64 (see the reference's docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+
+_LIB = "dejavu"
+
+
+def _ids_like(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n, dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{_LIB}::select_mlp_oracle", mutates_args=())
+def select_mlp_oracle(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w_up: torch.Tensor | None,
+    act: str,
+    k: int,
+) -> torch.Tensor:
+    """True top-k neurons of the MLP from the dense computation (the paper's existence check)."""
+    return ref.select_mlp_oracle(x, w1, b1, w_up, act, k)
+
+
+@select_mlp_oracle.register_fake
+def _(x, w1, b1, w_up, act, k):
+    return _ids_like(x, k)
+
+
+@torch.library.custom_op(f"{_LIB}::select_heads_oracle", mutates_args=())
+def select_heads_oracle(
+    attn: torch.Tensor, wo_t: torch.Tensor, head_dim: int, k: int, group: int
+) -> torch.Tensor:
+    """True top-k heads (or head groups) by the norm of their contribution to the output."""
+    return ref.select_heads_oracle(attn, wo_t, head_dim, k, group)
+
+
+@select_heads_oracle.register_fake
+def _(attn, wo_t, head_dim, k, group):
+    return _ids_like(attn, k * group)
+
+
+@torch.library.custom_op(f"{_LIB}::select_predictor", mutates_args=())
+def select_predictor(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: str,
+    k: int,
+    group: int,
+) -> torch.Tensor:
+    """Learned low-rank predictor followed by a fixed top-k (static shapes)."""
+    return ref.select_predictor(x, w1, b1, w2, b2, act, k, group)
+
+
+@select_predictor.register_fake
+def _(x, w1, b1, w2, b2, act, k, group):
+    return _ids_like(x, k * group)
+
+
+@torch.library.custom_op(f"{_LIB}::sparse_mlp", mutates_args=())
+def sparse_mlp(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w_up: torch.Tensor | None,
+    w2_t: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: str,
+) -> torch.Tensor:
+    """MLP over the selected neurons: act(x W1[idx]^T (+b1)) [* x W_up[idx]^T] @ W2_t[idx] (+b2)."""
+    return ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
+
+
+@sparse_mlp.register_fake
+def _(x, idx, w1, b1, w_up, w2_t, b2, act):
+    return x.new_empty(*x.shape[:-1], w2_t.shape[1])
+
+
+@torch.library.custom_op(f"{_LIB}::sparse_head_proj", mutates_args=())
+def sparse_head_proj(
+    x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, head_dim: int
+) -> torch.Tensor:
+    """Query projection for the selected heads; the other heads' outputs are zero."""
+    return ref.sparse_head_proj(x, idx, w, b, head_dim)
+
+
+@sparse_head_proj.register_fake
+def _(x, idx, w, b, head_dim):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.custom_op(f"{_LIB}::sparse_head_out", mutates_args=())
+def sparse_head_out(
+    attn: torch.Tensor,
+    idx: torch.Tensor,
+    wo_t: torch.Tensor,
+    b: torch.Tensor | None,
+    head_dim: int,
+) -> torch.Tensor:
+    """Output projection over the selected heads only (``wo_t`` stored [H * head_dim, d])."""
+    return ref.sparse_head_out(attn, idx, wo_t, b, head_dim)
+
+
+@sparse_head_out.register_fake
+def _(attn, idx, wo_t, b, head_dim):
+    return attn.new_empty(*attn.shape[:-1], wo_t.shape[1])
+
+
+SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor)
+SPARSE_OPS = (sparse_mlp, sparse_head_proj, sparse_head_out)

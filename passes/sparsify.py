@@ -1,0 +1,252 @@
+"""Sparsify: replace each matched block by a selector and ``torch.ops.dejavu.*`` sparse ops.
+
+MLP: ``down(act(first(x)) [* up(x)])`` becomes ``sparse_mlp(x, idx, ...)`` with ``idx`` from the
+oracle (true top-k) or the layer's predictor. Attention: the query projection becomes
+``sparse_head_proj`` (zeros for unselected heads, so the attention code in between is unchanged)
+and the output projection ``sparse_head_out``; keys and values stay dense so the KV cache is
+complete. The oracle needs the dense attention output to rank heads, so with it only the output
+projection is sparse. Down and output projections are passed as ``aten.t`` views here; the lower
+pass replaces those views by weights re-laid out once.
+
+The plan (per layer and block: selector, density, k) comes from the profile or the options and
+is checked against the discovered shapes; a profile that does not fit raises ``ProfileError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from dejavu_compile.profile import BlockProfile, ProfileError
+
+from .context import PassContext, add_constant, fake_mode_of, set_val
+
+OPS = torch.ops.dejavu
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class BlockPlan:
+    """How one block is computed: selector, kept fraction and the top-k it implies."""
+
+    kind: str  # "mlp" | "attention"
+    selector: str  # "dense" | "oracle" | "predictor"
+    density: float = 1.0
+    units: int = 0  # neurons, heads, or KV groups
+    k: int = 0  # units kept per token
+    group: int = 1  # heads per unit (attention at KV-group granularity)
+    activation: str = "none"  # predictor hidden activation
+    reason: str = ""  # why a block stays dense
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.k / self.units if self.selector != "dense" and self.units else 1.0
+
+
+def units_for(k: float, n: int) -> int:
+    """Units kept for density ``k`` of ``n``: at least one, static for the compiled graph."""
+    return max(1, min(n, round(k * n)))
+
+
+def _identity_errors(ctx: PassContext) -> None:
+    """Refuse a profile calibrated on another model, naming the first layer that differs."""
+    ident = ctx.profile.model
+    disc = ctx.discovery
+    for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention)):
+        for layer, block in blocks.items():
+            if layer >= ident.num_layers:
+                raise ProfileError(
+                    f"profile for {ident.name!r} has {ident.num_layers} layers but the model has "
+                    f"layer {layer}: is it a profile for another model?"
+                )
+            checks = [("hidden_size", ident.hidden_size, block.hidden_size)]
+            if kind == "mlp":
+                checks.append(("intermediate_size", ident.intermediate_size, block.units))
+            else:
+                checks += [
+                    ("num_heads", ident.num_heads, block.num_heads),
+                    ("num_kv_heads", ident.num_kv_heads, block.num_kv_heads),
+                    ("head_dim", ident.head_dim, block.head_dim),
+                ]
+            for name, want, got in checks:
+                if want != got:
+                    raise ProfileError(
+                        f"profile for {ident.name!r} does not fit this model: layer {layer} "
+                        f"{kind} has {name}={got}, the profile says {want}"
+                    )
+
+
+def _unsupported(block) -> str:
+    weights = [lin.weight for lin in block.linears()]
+    for w in weights:
+        if w.dtype not in SUPPORTED_DTYPES:
+            return f"weight dtype {w.dtype} is not supported (expected one of {SUPPORTED_DTYPES})"
+    if len({w.device for w in weights}) != 1:
+        return "weights on different devices"
+    return ""
+
+
+def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
+    """Per (layer, kind): the plan for every discovered block."""
+    disc, opts, prof = ctx.discovery, ctx.options, ctx.profile
+    if prof is not None:
+        _identity_errors(ctx)
+    granularity = prof.attention_granularity if prof is not None else opts.attention_granularity
+    plan = {}
+    for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention)):
+        for layer, block in blocks.items():
+            if kind == "mlp":
+                units, group = block.units, 1
+            elif granularity == "group":
+                units, group = block.num_kv_heads, block.num_heads // block.num_kv_heads
+            else:
+                units, group = block.num_heads, 1
+            if prof is not None:
+                spec = prof.layer(layer).block(kind)
+            else:
+                density = opts.mlp_density if kind == "mlp" else opts.attention_density
+                spec = BlockProfile(selector="oracle", density=density) if density else BlockProfile()
+            selector = spec.selector
+            if selector == "predictor" and opts.selector == "oracle":
+                selector = "oracle"
+            reason = ""
+            if selector == "dense":
+                reason = "dense by profile" if prof is not None else "no density given"
+            elif layer in opts.dense_layers:
+                selector, reason = "dense", "listed in dense_layers"
+            elif why := _unsupported(block):
+                selector, reason = "dense", why
+            elif selector == "predictor" and spec.units != units:
+                raise ProfileError(
+                    f"profile: layer {layer}, {kind} predictor has units={spec.units} but the "
+                    f"model's block has {units} ({granularity} granularity)"
+                )
+            if selector == "predictor" and spec.input != "same":
+                raise ProfileError(
+                    f"profile: layer {layer}, {kind} predictor reads input={spec.input!r}, which "
+                    "needs the lookahead pass; this build runs predictors on their own input"
+                )
+            plan[(layer, kind)] = BlockPlan(
+                kind=kind,
+                selector=selector,
+                density=spec.density,
+                units=units,
+                k=units_for(spec.density, units) if selector != "dense" else units,
+                group=group if kind == "attention" else 1,
+                activation=spec.activation,
+                reason=reason,
+            )
+    return plan
+
+
+def _predictor_nodes(gm, ctx, layer: int, kind: str, block, fake_mode) -> list[fx.Node | None]:
+    """get_attr nodes for the predictor tensors (w1, b1, w2, b2) of one block, checked."""
+    prefix = f"layers.{layer}.{kind}."
+    tensors = {}
+    for name in ("w1", "b1", "w2", "b2"):
+        t = ctx.predictors.get(prefix + name)
+        if t is None and name.startswith("w"):
+            raise ProfileError(f"profile: predictor tensor {prefix + name!r} is missing")
+        tensors[name] = t
+    w1, w2 = tensors["w1"], tensors["w2"]
+    plan = ctx.plan[(layer, kind)]
+    if w1.dim() != 2 or w1.shape[1] != block.hidden_size:
+        raise ProfileError(
+            f"profile: layer {layer}, {kind} predictor w1 has shape {tuple(w1.shape)}, expected "
+            f"[rank, {block.hidden_size}]"
+        )
+    if w2.dim() != 2 or w2.shape != (plan.units, w1.shape[0]):
+        raise ProfileError(
+            f"profile: layer {layer}, {kind} predictor w2 has shape {tuple(w2.shape)}, expected "
+            f"[{plan.units}, {w1.shape[0]}]"
+        )
+    ref = block.linears()[0].weight
+    nodes = []
+    for name in ("w1", "b1", "w2", "b2"):
+        t = tensors[name]
+        if t is None:
+            nodes.append(None)
+            continue
+        t = t.to(device=ref.device, dtype=ref.dtype)
+        nodes.append(add_constant(gm, ctx, f"L{layer}_{kind}_{name}", t, fake_mode))
+    return nodes
+
+
+def _call(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
+    node = graph.call_function(target, args)
+    set_val(node, fake_mode)
+    return node
+
+
+def _erase_dead(graph: fx.Graph, nodes) -> None:
+    pending = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if not node.users:
+                graph.erase_node(node)
+                pending.discard(node)
+                changed = True
+
+
+def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
+    graph = gm.graph
+    first, up, down = block.first, block.up, block.down
+    up_w = up.weight_node if up is not None else None
+    with graph.inserting_before(down.node):
+        w2_t = _call(graph, fake_mode, torch.ops.aten.t.default, down.weight_node)
+        if plan.selector == "oracle":
+            idx = _call(graph, fake_mode, OPS.select_mlp_oracle.default, block.input,
+                        first.weight_node, first.bias_node, up_w, block.act, plan.k)
+        else:
+            w1, b1, w2, b2 = _predictor_nodes(gm, ctx, block.layer, "mlp", block, fake_mode)
+            idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
+                        w1, b1, w2, b2, plan.activation, plan.k, 1)
+        out = _call(graph, fake_mode, OPS.sparse_mlp.default, block.input, idx,
+                    first.weight_node, first.bias_node, up_w, w2_t, down.bias_node, block.act)
+    down.node.replace_all_uses_with(out)
+    _erase_dead(graph, [down.node, *block.chain])
+    ctx.counters.add(f"sparse_mlp[{plan.selector}]")
+
+
+def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
+    graph = gm.graph
+    q, o, hd = block.q, block.o, block.head_dim
+    if plan.selector == "predictor":
+        with graph.inserting_before(q.node):
+            w1, b1, w2, b2 = _predictor_nodes(gm, ctx, block.layer, "attention", block, fake_mode)
+            idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
+                        w1, b1, w2, b2, plan.activation, plan.k, plan.group)
+            q_new = _call(graph, fake_mode, OPS.sparse_head_proj.default, block.input, idx,
+                          q.weight_node, q.bias_node, hd)
+        q.node.replace_all_uses_with(q_new)
+        graph.erase_node(q.node)
+    with graph.inserting_before(o.node):
+        wo_t = _call(graph, fake_mode, torch.ops.aten.t.default, o.weight_node)
+        if plan.selector == "oracle":
+            idx = _call(graph, fake_mode, OPS.select_heads_oracle.default, o.input, wo_t, hd,
+                        plan.k, plan.group)
+        o_new = _call(graph, fake_mode, OPS.sparse_head_out.default, o.input, idx, wo_t,
+                      o.bias_node, hd)
+    o.node.replace_all_uses_with(o_new)
+    graph.erase_node(o.node)
+    ctx.counters.add(f"sparse_attention[{plan.selector}]")
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    ctx.plan = make_plan(ctx)
+    fake_mode = fake_mode_of(gm)
+    disc = ctx.discovery
+    for (layer, kind), plan in sorted(ctx.plan.items()):
+        if plan.selector == "dense":
+            continue
+        if kind == "mlp":
+            _rewrite_mlp(gm, ctx, disc.mlp[layer], plan, fake_mode)
+        else:
+            _rewrite_attention(gm, ctx, disc.attention[layer], plan, fake_mode)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
