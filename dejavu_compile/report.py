@@ -48,6 +48,7 @@ class GraphReport:
     unmatched: list[str]
     counters: dict[str, int]
     other_bytes: int  # parameters outside matched blocks (embeddings, norms, head), read densely
+    decode: bool = True  # one new token per sequence (prefill graphs run dense)
     params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary, repr=False)
 
     @property
@@ -61,14 +62,14 @@ class GraphReport:
 
 @dataclass
 class CompileReport:
-    """Every graph compiled for one model; ``layers`` and the byte totals describe the graph
-    covering the most layers (the decode graph of a model Dynamo compiles whole)."""
+    """Every graph compiled for one model; ``layers`` and the byte totals describe the latest
+    decode graph covering the most layers (the decode step of a model Dynamo compiles whole)."""
 
     graphs: list[GraphReport]
 
     @property
     def main(self) -> GraphReport:
-        return max(reversed(self.graphs), key=lambda g: len(g.layers))
+        return max(reversed(self.graphs), key=lambda g: (g.decode, len(g.layers)))
 
     @property
     def layers(self) -> list[LayerRow]:
@@ -129,8 +130,10 @@ class CompileReport:
             return f"{b.selector} {b.k}/{b.units}"
 
         mb = 1 / 2**20
+        decode = sum(g.decode for g in self.graphs)
         lines = [
-            f"dejavu compile report: {len(self.graphs)} graph(s), {len(self.layers)} layer(s)",
+            f"dejavu compile report: {len(self.graphs)} graph(s) ({decode} decode, "
+            f"{len(self.graphs) - decode} prefill), {len(self.layers)} layer(s)",
             f"{'layer':>5}  {'attention':<22} {'mlp':<22} {'dense MiB':>9} {'sparse MiB':>10}",
         ]
         for r in self.layers:
@@ -145,7 +148,7 @@ class CompileReport:
             f"{self.main.other_bytes * mb:.2f} MiB read densely)"
         )
         reasons = sorted({f"layer {r.layer} {b.kind}: {b.reason}" for r in self.layers
-                          for b in r.blocks() if b.reason})
+                          for b in r.blocks() if b.reason and self.main.decode})
         for line in reasons + [f"dense: {u}" for u in self.unmatched]:
             lines.append(f"  {line}")
         lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
@@ -224,6 +227,7 @@ def build_graph_report(ctx, index: int) -> GraphReport:
         unmatched=list(disc.unmatched),
         counters=dict(ctx.counters.values),
         other_bytes=sum(_nbytes(p) for p in seen.values()),
+        decode=disc.new_tokens() == 1,
     )
     for p in params:
         report.params[p] = True

@@ -5,7 +5,8 @@ Each op is a ``torch.library.custom_op`` whose default implementation is the ref
 Inductor and export. Device kernels (Triton on CUDA) register on top with
 ``op.register_kernel("cuda")``; nothing else changes when they do.
 
-Shapes: ``x`` [..., T, d]; selections ``[..., T, k]`` int64 (see the reference's docstring).
+Shapes: ``x`` [..., d], one decoded token per row; selections ``[..., k]`` int64, per row (see
+the reference's docstring).
 """
 
 from __future__ import annotations

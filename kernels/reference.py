@@ -3,14 +3,15 @@ kernels are tested against.
 
 Conventions shared by all ops (see ``passes/README.md``):
 
-* ``x`` is ``[..., T, d]``. A call with ``T > 1`` is a prefill: the op computes the dense result
-  and ignores the selection. Otherwise each of the ``R = x.numel() // d`` rows is one decoded
-  token with its own selection (``idx`` is ``[..., T, k]``, int64): per-row selection, so a batch
-  decodes exactly as each of its rows would alone.
+* ``x`` is ``[..., d]``; each of its ``R = x.numel() // d`` rows is one decoded token with its
+  own selection (``idx`` is ``[..., k]``, int64): per-row selection, so a batch decodes exactly
+  as each of its rows would alone. Prefill never reaches these ops: the sparsify pass rewrites
+  only graphs that decode one token per sequence.
 * Weights keep the Hugging Face layout ``[out, in]`` for the first projections (a selected
   neuron's row is contiguous); the down and output projections arrive transposed, ``[in, out]``,
   so a selected neuron's or head's weights are contiguous too (paper section 4.4).
-* Arithmetic accumulates in fp32 and the result is cast back to ``x.dtype``.
+* Arithmetic accumulates in fp32 (fp64 inputs in fp64) and the result is cast back to
+  ``x.dtype``.
 """
 
 from __future__ import annotations
@@ -34,59 +35,44 @@ def activate(h: torch.Tensor, act: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {act!r}; expected one of {ACTIVATIONS}")
 
 
-def is_prefill(x: torch.Tensor) -> bool:
-    """True when ``x`` ([..., T, d]) carries more than one new token per sequence."""
-    return x.dim() >= 3 and x.shape[-2] > 1
-
-
-def placeholder_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The selection returned during prefill, where ops run dense and ignore it: ``[..., T, k]``."""
-    return torch.arange(k, device=x.device).expand(*x.shape[:-1], k).contiguous()
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the accumulation dtype: fp32 for half types, else its own (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).float()
+    return _acc(x.reshape(-1, x.shape[-1]))
 
 
 def mlp_hidden(x: torch.Tensor, w1, b1, w_up, act: str) -> torch.Tensor:
     """Dense MLP hidden activations ``[R, N]``: act(x W1^T + b1), times x W_up^T when gated."""
     rows = _rows(x)
-    h = rows @ w1.float().t()
+    h = rows @ _acc(w1).t()
     if b1 is not None:
-        h = h + b1.float()
+        h = h + _acc(b1)
     h = activate(h, act)
     if w_up is not None:
-        h = h * (rows @ w_up.float().t())
+        h = h * (rows @ _acc(w_up).t())
     return h
-
-
-def dense_mlp(x, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
-    """Dense MLP: ``[..., d] -> [..., d_out]`` with ``w2_t`` of shape ``[N, d_out]``."""
-    out = mlp_hidden(x, w1, b1, w_up, act) @ w2_t.float()
-    if b2 is not None:
-        out = out + b2.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], w2_t.shape[1])
 
 
 def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
     """MLP over the selected neurons only.
 
-    x: [..., T, d]; idx: [..., T, k] neuron ids; w1, w_up: [N, d]; b1: [N]; w2_t: [N, d_out].
-    Returns [..., T, d_out]. Prefill (T > 1) computes the dense MLP.
+    x: [..., d]; idx: [..., k] neuron ids; w1, w_up: [N, d]; b1: [N]; w2_t: [N, d_out].
+    Returns [..., d_out].
     """
-    if is_prefill(x):
-        return dense_mlp(x, w1, b1, w_up, w2_t, b2, act)
     rows = _rows(x)
     sel = idx.reshape(rows.shape[0], -1)
-    h = torch.einsum("rd,rkd->rk", rows, w1[sel].float())
+    h = torch.einsum("rd,rkd->rk", rows, _acc(w1[sel]))
     if b1 is not None:
-        h = h + b1.float()[sel]
+        h = h + _acc(b1)[sel]
     h = activate(h, act)
     if w_up is not None:
-        h = h * torch.einsum("rd,rkd->rk", rows, w_up[sel].float())
-    out = torch.einsum("rk,rko->ro", h, w2_t[sel].float())
+        h = h * torch.einsum("rd,rkd->rk", rows, _acc(w_up[sel]))
+    out = torch.einsum("rk,rko->ro", h, _acc(w2_t[sel]))
     if b2 is not None:
-        out = out + b2.float()
+        out = out + _acc(b2)
     return out.to(x.dtype).reshape(*x.shape[:-1], w2_t.shape[1])
 
 
@@ -99,9 +85,7 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select_mlp_oracle(x, w1, b1, w_up, act: str, k: int) -> torch.Tensor:
-    """The true top-``k`` neurons by |hidden activation| from the dense computation: [..., T, k]."""
-    if is_prefill(x):
-        return placeholder_indices(x, k)
+    """The true top-``k`` neurons by |hidden activation| from the dense computation: [..., k]."""
     h = mlp_hidden(x, w1, b1, w_up, act).abs()
     return topk_indices(h, k).reshape(*x.shape[:-1], k)
 
@@ -117,16 +101,14 @@ def expand_groups(groups: torch.Tensor, size: int) -> torch.Tensor:
 def select_heads_oracle(attn, wo_t, head_dim: int, k: int, group: int) -> torch.Tensor:
     """The true top-``k`` heads (or groups of ``group`` heads) by the norm of their output.
 
-    attn: [..., T, H * head_dim] (the input of the output projection); wo_t: [H * head_dim, d].
+    attn: [..., H * head_dim] (the input of the output projection); wo_t: [H * head_dim, d].
     A head's contribution is attn_h @ wo_t[h]; a group's score is the sum of its heads' squared
-    norms. Returns head ids [..., T, k * group].
+    norms. Returns head ids [..., k * group].
     """
-    if is_prefill(attn):
-        return placeholder_indices(attn, k * group)
     rows = _rows(attn)
     n_heads = wo_t.shape[0] // head_dim
     per_head = rows.view(-1, n_heads, head_dim)
-    contrib = torch.einsum("rhe,heo->rho", per_head, wo_t.float().view(n_heads, head_dim, -1))
+    contrib = torch.einsum("rhe,heo->rho", per_head, _acc(wo_t).view(n_heads, head_dim, -1))
     score = contrib.pow(2).sum(-1)
     score = score.view(rows.shape[0], n_heads // group, group).sum(-1)
     heads = expand_groups(topk_indices(score, k), group)
@@ -136,19 +118,17 @@ def select_heads_oracle(attn, wo_t, head_dim: int, k: int, group: int) -> torch.
 def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int) -> torch.Tensor:
     """A learned low-rank predictor: logits = act(x w1^T + b1) w2^T + b2, then top-``k``.
 
-    x: [..., T, d]; w1: [r, d]; w2: [U, r] over U units (neurons, heads or head groups).
-    ``act`` is "none" or an entry of ``ACTIVATIONS``. Returns ids [..., T, k * group].
+    x: [..., d]; w1: [r, d]; w2: [U, r] over U units (neurons, heads or head groups).
+    ``act`` is "none" or an entry of ``ACTIVATIONS``. Returns ids [..., k * group].
     """
-    if is_prefill(x):
-        return placeholder_indices(x, k * group)
-    z = _rows(x) @ w1.float().t()
+    z = _rows(x) @ _acc(w1).t()
     if b1 is not None:
-        z = z + b1.float()
+        z = z + _acc(b1)
     if act != "none":
         z = activate(z, act)
-    logits = z @ w2.float().t()
+    logits = z @ _acc(w2).t()
     if b2 is not None:
-        logits = logits + b2.float()
+        logits = logits + _acc(b2)
     units = expand_groups(topk_indices(logits, k), group)
     return units.reshape(*x.shape[:-1], k * group)
 
@@ -162,18 +142,14 @@ def _head_rows(idx: torch.Tensor, head_dim: int, n_rows: int) -> torch.Tensor:
 def sparse_head_proj(x, idx, w, b, head_dim: int) -> torch.Tensor:
     """Projection (queries) for the selected heads only; other heads' outputs are zero.
 
-    x: [..., T, d]; idx: [..., T, k] head ids; w: [H * head_dim, d]; b: [H * head_dim].
-    Returns [..., T, H * head_dim]: full width so the attention code around it is unchanged.
-    Prefill computes every head.
+    x: [..., d]; idx: [..., k] head ids; w: [H * head_dim, d]; b: [H * head_dim].
+    Returns [..., H * head_dim]: full width so the attention code around it is unchanged.
     """
-    if is_prefill(x):
-        out = x.float() @ w.float().t()
-        return (out if b is None else out + b.float()).to(x.dtype)
     rows = _rows(x)
     sel = _head_rows(idx, head_dim, rows.shape[0])
-    vals = torch.einsum("rd,rjd->rj", rows, w[sel].float())
+    vals = torch.einsum("rd,rjd->rj", rows, _acc(w[sel]))
     if b is not None:
-        vals = vals + b.float()[sel]
+        vals = vals + _acc(b)[sel]
     out = rows.new_zeros(rows.shape[0], w.shape[0]).scatter_(1, sel, vals)
     return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
@@ -181,16 +157,13 @@ def sparse_head_proj(x, idx, w, b, head_dim: int) -> torch.Tensor:
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
     """Output projection over the selected heads only.
 
-    attn: [..., T, H * head_dim]; idx: [..., T, k] head ids; wo_t: [H * head_dim, d]; b: [d].
-    Returns [..., T, d]. Prefill uses every head.
+    attn: [..., H * head_dim]; idx: [..., k] head ids; wo_t: [H * head_dim, d]; b: [d].
+    Returns [..., d].
     """
-    if is_prefill(attn):
-        out = attn.float() @ wo_t.float()
-    else:
-        rows = _rows(attn)
-        sel = _head_rows(idx, head_dim, rows.shape[0])
-        out = torch.einsum("rj,rjo->ro", rows.gather(1, sel), wo_t[sel].float())
-        out = out.reshape(*attn.shape[:-1], wo_t.shape[1])
+    rows = _rows(attn)
+    sel = _head_rows(idx, head_dim, rows.shape[0])
+    out = torch.einsum("rj,rjo->ro", rows.gather(1, sel), _acc(wo_t[sel]))
+    out = out.reshape(*attn.shape[:-1], wo_t.shape[1])
     if b is not None:
-        out = out + b.float()
+        out = out + _acc(b)
     return out.to(attn.dtype)

@@ -66,6 +66,7 @@ class AttentionBlock:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    tokens: int | torch.SymInt  # new tokens per sequence (queries) in this graph
 
     @property
     def input(self) -> fx.Node:
@@ -91,6 +92,20 @@ class Discovery:
     @property
     def layers(self) -> list[int]:
         return sorted(set(self.mlp) | set(self.attention))
+
+    def new_tokens(self) -> int | None:
+        """New tokens per sequence when the graph fixes it, else None.
+
+        Read from the queries' shape, or from 3-d MLP inputs in a graph without attention. A
+        symbolic count is None: Dynamo specialises sizes 0 and 1, so a graph with a symbolic
+        token count never runs a single-token decode step.
+        """
+        counts = {b.tokens for b in self.attention.values()}
+        if not counts:
+            vals = [fake_value(b.input) for b in self.mlp.values()]
+            counts = {v.shape[-2] for v in vals if v is not None and v.dim() >= 3}
+        counts = {c if isinstance(c, int) else None for c in counts}
+        return counts.pop() if len(counts) == 1 else None
 
 
 def activation_of(node: fx.Node) -> str | None:
@@ -195,7 +210,8 @@ def _match_attention(sdpa: fx.Node, gm, ctx: PassContext) -> tuple[dict | None, 
             if node is sdpa:
                 return None, "attention output reaches the output projection without a reshape"
             return dict(q=q, k=k, v=v, o=o, attention=sdpa, num_heads=num_heads,
-                        num_kv_heads=k.weight.shape[0] // head_dim, head_dim=head_dim), ""
+                        num_kv_heads=k.weight.shape[0] // head_dim, head_dim=head_dim,
+                        tokens=q_val.shape[2]), ""
         if not _is_view(user):
             break
         node = user

@@ -3,7 +3,7 @@
 The sparsify pass hands down and output projections to the ops as ``aten.t`` views of the
 ``[out, in]`` weights; gathering a neuron's column of such a view strides through memory. Here
 each view becomes a constant holding the weight re-laid out as ``[in, out]`` contiguous (paper
-section 4.4), made once per weight tensor and shared by every graph of the model (prefill, decode
+section 4.4), made once per weight tensor and shared by every graph of the model (each decode graph
 and any recompilation), so the extra memory is one copy of each sparsified down / output
 projection, reported as ``relayout_bytes``.
 

@@ -1,5 +1,8 @@
 """Sparsify: replace each matched block by a selector and ``torch.ops.dejavu.*`` sparse ops.
 
+Only decode graphs are rewritten: those whose queries are one new token per sequence. Graphs of
+prefill (several new tokens, static or symbolic) stay dense and say so in the report.
+
 MLP: ``down(act(first(x)) [* up(x)])`` becomes ``sparse_mlp(x, idx, ...)`` with ``idx`` from the
 oracle (true top-k) or the layer's predictor. Attention: the query projection becomes
 ``sparse_head_proj`` (zeros for unselected heads, so the attention code in between is unchanged)
@@ -94,6 +97,7 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
     if prof is not None:
         _identity_errors(ctx)
     granularity = prof.attention_granularity if prof is not None else opts.attention_granularity
+    tokens = disc.new_tokens()
     plan = {}
     for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention)):
         for layer, block in blocks.items():
@@ -114,6 +118,9 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
             reason = ""
             if selector == "dense":
                 reason = "dense by profile" if prof is not None else "no density given"
+            elif tokens != 1:
+                count = "a symbolic number of" if tokens is None else tokens
+                selector, reason = "dense", f"prefill graph ({count} new tokens) runs dense"
             elif layer in opts.dense_layers:
                 selector, reason = "dense", "listed in dense_layers"
             elif why := _unsupported(block):

@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face models of each supported family (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+VOCAB = 96
+
+
+def _build(name: str) -> torch.nn.Module:
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256)
+    if name == "opt":
+        cfg = tf.OPTConfig(ffn_dim=96, word_embed_proj_dim=64, **common)
+        cls = tf.OPTForCausalLM
+    elif name == "llama":
+        cfg = tf.LlamaConfig(intermediate_size=96, num_key_value_heads=2, **common)
+        cls = tf.LlamaForCausalLM
+    elif name == "mistral":
+        cfg = tf.MistralConfig(intermediate_size=96, num_key_value_heads=2, sliding_window=None,
+                               **common)
+        cls = tf.MistralForCausalLM
+    elif name == "qwen2":
+        cfg = tf.Qwen2Config(intermediate_size=96, num_key_value_heads=2, **common)
+        cls = tf.Qwen2ForCausalLM
+    elif name == "gemma3":
+        cfg = tf.Gemma3TextConfig(intermediate_size=96, num_key_value_heads=1, head_dim=16,
+                                  sliding_window=8, **common)
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise KeyError(name)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    # Random init leaves biases at zero; make them count so a dropped bias shows.
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear) and mod.bias is not None:
+                mod.bias.normal_(0, 0.05)
+    return model
+
+
+ARCHS = ("opt", "llama", "mistral", "qwen2", "gemma3")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def tiny():
+    return _build
+
+
+def prompt(batch: int = 1, length: int = 7, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=gen)

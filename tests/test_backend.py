@@ -1,0 +1,144 @@
+"""End to end through torch.compile(backend="dejavu") on tiny random models of every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dejavu_compile
+from dejavu_compile import DejavuOptions, transform
+
+from .conftest import ARCHS, prompt
+
+FP32 = dict(atol=1e-5, rtol=1e-5)
+
+
+def _decode_logits(model, ids, steps: int = 3, on_decode=None):
+    """Greedy decode: prefill, then ``steps`` single-token steps; the logits of each.
+    ``on_decode()`` runs between prefill and the first step (to install hooks)."""
+    out = model(ids, use_cache=True)
+    if on_decode is not None:
+        on_decode()
+    logits, cache = [out.logits[:, -1]], out.past_key_values
+    nxt = out.logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits, 1)
+
+
+def _capture(options: dict):
+    """A backend that runs the dejavu passes and keeps each rewritten graph and context."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        ctx = transform(gm, example_inputs, DejavuOptions.from_mapping(options))
+        graphs.append((gm, ctx))
+        return gm.forward
+
+    return backend, graphs
+
+
+_DEJAVU_TARGETS = {getattr(torch.ops.dejavu, name).default for name in (
+    "sparse_mlp", "select_mlp_oracle", "select_heads_oracle", "select_predictor",
+    "sparse_head_proj", "sparse_head_out")}
+
+
+def _dejavu_nodes(gm) -> list[str]:
+    return [n.target.name() for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "dejavu"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_density_one_equals_eager(tiny, arch):
+    model = tiny(arch)
+    ids = prompt()
+    with torch.no_grad():
+        want = _decode_logits(model, ids)
+        compiled = torch.compile(model, backend="dejavu", options={
+            "selector": "oracle", "mlp_density": 1.0, "attention_density": 1.0})
+        got = _decode_logits(compiled, ids)
+    torch.testing.assert_close(got, want, **FP32)
+    rep = dejavu_compile.report(model)
+    assert [r.layer for r in rep.layers] == [0, 1]
+    assert all(r.mlp.selector == "oracle" and r.attention.selector == "oracle" for r in rep.layers)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("granularity", ["head", "group"])
+def test_graph_holds_expected_ops(tiny, arch, granularity):
+    model = tiny(arch)
+    backend, graphs = _capture({"selector": "oracle", "mlp_density": 0.5, "attention_density": 0.5,
+                                "attention_granularity": granularity})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
+    (prefill_gm, prefill_ctx), (gm, ctx) = graphs
+    assert _dejavu_nodes(prefill_gm) == [] and prefill_ctx.discovery.new_tokens() == 7
+    assert ctx.discovery.new_tokens() == 1
+    names = _dejavu_nodes(gm)
+    layers = model.config.num_hidden_layers
+    assert names.count("dejavu::sparse_mlp") == layers
+    assert names.count("dejavu::select_mlp_oracle") == layers
+    assert names.count("dejavu::sparse_head_out") == layers
+    assert names.count("dejavu::select_heads_oracle") == layers
+    assert ctx.counters.values["relayout"] == 2 * layers
+    assert not any(n.target is torch.ops.aten.t.default for n in gm.graph.nodes)
+    block = ctx.discovery.attention[0]
+    assert block.num_heads == model.config.num_attention_heads
+    assert block.num_kv_heads == getattr(model.config, "num_key_value_heads", block.num_heads)
+    plan = ctx.plan[(0, "attention")]
+    assert plan.k * plan.group == (2 if granularity == "head" or block.num_kv_heads > 1 else 4)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or node.target in _DEJAVU_TARGETS:
+            assert isinstance(node.meta["val"], torch.Tensor), node
+
+
+def _masked_reference(model, mlp_density: float, head_density: float):
+    """Hooks on the eager model that keep only the oracle's top-k of each token: MLP
+    neurons by |hidden activation| at the down projection's input, heads by the norm of their
+    output-projection contribution. Returns the hook handles."""
+    heads = model.config.num_attention_heads
+
+    def mlp_hook(mod, args):
+        (h,) = args
+        k = max(1, round(mlp_density * h.shape[-1]))
+        top = h.abs().topk(k, dim=-1).indices
+        return (h * torch.zeros_like(h).scatter_(-1, top, 1.0),)
+
+    def head_hook(mod, args):
+        (a,) = args
+        hd = a.shape[-1] // heads
+        contrib = torch.einsum("bthe,heo->btho", a.unflatten(-1, (heads, hd)),
+                               mod.weight.t().reshape(heads, hd, -1))
+        k = max(1, round(head_density * heads))
+        top = contrib.pow(2).sum(-1).topk(k, dim=-1).indices
+        mask = torch.zeros(*a.shape[:-1], heads).scatter_(-1, top, 1.0)
+        return (a * mask.repeat_interleave(hd, dim=-1),)
+
+    handles = []
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("down_proj", "fc2"):
+            handles.append(mod.register_forward_pre_hook(mlp_hook))
+        elif leaf in ("o_proj", "out_proj"):
+            handles.append(mod.register_forward_pre_hook(head_hook))
+    return handles
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_oracle_matches_masked_reference(tiny, arch):
+    model = tiny(arch)
+    ids = prompt(batch=2)
+    with torch.no_grad():
+        dense = _decode_logits(model, ids)
+        handles = []
+        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
+            _masked_reference(model, mlp_density=0.4, head_density=0.5)))
+        for h in handles:
+            h.remove()
+        compiled = torch.compile(model, backend="dejavu", options={
+            "selector": "oracle", "mlp_density": 0.4, "attention_density": 0.5})
+        got = _decode_logits(compiled, ids)
+    torch.testing.assert_close(got, want, **FP32)
+    assert not torch.allclose(got, dense, atol=1e-3), "sparsity had no effect"

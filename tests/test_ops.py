@@ -1,0 +1,125 @@
+"""The dejavu ops against hand-written masked dense computations, and their registration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dejavu_compile  # noqa: F401  (registers torch.ops.dejavu)
+from dejavu_compile.kernels import reference as ref
+
+OPS = torch.ops.dejavu
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    """Fresh random values scaled like trained weights (unit-variance outputs of a matvec)."""
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    return t / shape[-1] ** 0.5
+
+
+def _random_selection(rows: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n, generator=gen)[:k].sort().values for _ in range(rows)])
+
+
+def _mask(sel: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.zeros(sel.shape[0], n).scatter_(1, sel, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("act", ref.ACTIVATIONS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("batch,k", [(1, 1), (1, 20), (3, 45), (2, 7)])
+def test_sparse_mlp_equals_masked_dense(dtype, act, gated, batch, k):
+    d, n, d_out = 33, 45, 29
+    x = _rand(batch, 1, d, dtype=dtype)
+    w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
+    b1 = None if gated else _rand(n, dtype=dtype, seed=3)
+    w_up = _rand(n, d, dtype=dtype, seed=4) if gated else None
+    b2 = _rand(d_out, dtype=dtype, seed=5)
+    sel = _random_selection(batch, n, k)
+    out = OPS.sparse_mlp(x, sel.view(batch, 1, k), w1, b1, w_up, w2_t, b2, act)
+    # Masked reference written out densely, in float64.
+    x64 = x.view(batch, d).double()
+    h = x64 @ w1.double().t() + (0 if b1 is None else b1.double())
+    h = ref.activate(h, act)
+    if gated:
+        h = h * (x64 @ w_up.double().t())
+    want = (h * _mask(sel, n).double()) @ w2_t.double() + b2.double()
+    torch.testing.assert_close(out.view(batch, d_out).double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_mlp_oracle_picks_largest_activations(gated):
+    x = _rand(3, 1, 20)
+    w1, w_up = _rand(50, 20, seed=1), _rand(50, 20, seed=2) if gated else None
+    idx = OPS.select_mlp_oracle(x, w1, None, w_up, "relu", 10).view(3, 10)
+    h = ref.mlp_hidden(x, w1, None, w_up, "relu").abs()
+    for row in range(3):
+        chosen = h[row, idx[row]]
+        others = h[row][~_mask(idx[row : row + 1], 50).bool()[0]]
+        assert chosen.min() >= others.max()
+        assert torch.equal(idx[row], idx[row].sort().values)
+
+
+@pytest.mark.parametrize("heads,k,head_dim", [(4, 1, 8), (6, 3, 5), (4, 4, 8)])
+def test_head_projection_and_output_equal_masked_dense(heads, k, head_dim):
+    d, batch = 19, 2
+    x = _rand(batch, 1, d)
+    wq, bq = _rand(heads * head_dim, d, seed=1), _rand(heads * head_dim, seed=2)
+    wo_t, bo = _rand(heads * head_dim, d, seed=3), _rand(d, seed=4)
+    sel = _random_selection(batch, heads, k)
+    head_mask = _mask(sel, heads).repeat_interleave(head_dim, dim=1)
+    q = OPS.sparse_head_proj(x, sel.view(batch, 1, k), wq, bq, head_dim).view(batch, -1)
+    torch.testing.assert_close(q, (x.view(batch, d) @ wq.t() + bq) * head_mask, **TOL[torch.float32])
+    attn = _rand(batch, 1, heads * head_dim, seed=5)
+    o = OPS.sparse_head_out(attn, sel.view(batch, 1, k), wo_t, bo, head_dim).view(batch, d)
+    want = (attn.view(batch, -1) * head_mask) @ wo_t + bo
+    torch.testing.assert_close(o, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_head_oracle_ranks_by_output_norm(group):
+    heads, head_dim, d = 6, 4, 10
+    attn, wo_t = _rand(1, 1, heads * head_dim), _rand(heads * head_dim, d, seed=1)
+    k = 2 if group < 3 else 1
+    idx = OPS.select_heads_oracle(attn, wo_t, head_dim, k, group).view(-1)
+    assert idx.numel() == k * group
+    contrib = torch.stack([
+        attn.view(heads, head_dim)[h] @ wo_t[h * head_dim : (h + 1) * head_dim] for h in range(heads)
+    ]).norm(dim=-1) ** 2
+    scores = contrib.view(-1, group).sum(-1)
+    chosen_groups = (idx.view(k, group)[:, 0] // group)
+    assert set(chosen_groups.tolist()) == set(scores.topk(k).indices.tolist())
+    if group > 1:
+        assert torch.equal(idx.view(k, group), chosen_groups[:, None] * group + torch.arange(group))
+
+
+def test_predictor_selection_is_top_k_of_its_logits():
+    x = _rand(2, 1, 12)
+    w1, b1, w2, b2 = _rand(5, 12, seed=1), _rand(5, seed=2), _rand(30, 5, seed=3), _rand(30, seed=4)
+    idx = OPS.select_predictor(x, w1, b1, w2, b2, "relu", 7, 1).view(2, 7)
+    logits = torch.relu(x.view(2, 12) @ w1.t() + b1) @ w2.t() + b2
+    want = logits.topk(7).indices.sort().values
+    assert torch.equal(idx, want)
+
+
+@pytest.mark.parametrize(
+    "op,args",
+    [
+        (OPS.sparse_mlp.default, lambda: (_rand(1, 1, 8), torch.tensor([[[0, 3]]]), _rand(6, 8),
+                                          _rand(6), None, _rand(6, 8), None, "relu")),
+        (OPS.select_mlp_oracle.default, lambda: (_rand(1, 1, 8), _rand(6, 8), None, _rand(6, 8),
+                                                 "silu", 3)),
+        (OPS.select_heads_oracle.default, lambda: (_rand(1, 1, 8), _rand(8, 5), 2, 2, 1)),
+        (OPS.select_predictor.default, lambda: (_rand(1, 1, 8), _rand(3, 8), None, _rand(4, 3),
+                                                None, "none", 2, 2)),
+        (OPS.sparse_head_proj.default, lambda: (_rand(1, 1, 8), torch.tensor([[[1]]]), _rand(8, 8),
+                                                None, 4)),
+        (OPS.sparse_head_out.default, lambda: (_rand(1, 1, 8), torch.tensor([[[0]]]), _rand(8, 5),
+                                               _rand(5), 4)),
+    ],
+)
+def test_op_registration_is_consistent(op, args):
+    torch.library.opcheck(op, args(), test_utils=("test_schema", "test_faketensor"))
