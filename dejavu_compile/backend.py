@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dejavu_compile.passes import PIPELINE, PassContext
 from dejavu_compile.profile import Profile, load_predictors, load_profile
@@ -20,6 +21,16 @@ log = logging.getLogger("dejavu_compile")
 
 _REPORTS: list[GraphReport] = []
 _LOCK = threading.Lock()
+# parameter -> its name in the model, filled by ``register_model`` (see PassContext.param_names)
+_PARAM_NAMES = WeakIdKeyDictionary()
+
+
+def register_model(model: torch.nn.Module) -> None:
+    """Remember the names of ``model``'s parameters, so that graphs Dynamo splits the model into
+    still know which layer each weight belongs to."""
+    with _LOCK:
+        for name, param in model.named_parameters():
+            _PARAM_NAMES[param] = name
 
 
 def _resolve_profile(profile: Any) -> Profile | None:
@@ -32,7 +43,7 @@ def transform(gm: fx.GraphModule, example_inputs, options: DejavuOptions) -> Pas
     """Run ``PIPELINE`` on ``gm`` in place; returns the context (discovery, plan, counters)."""
     profile = _resolve_profile(options.profile)
     predictors = load_predictors(profile) if profile is not None else {}
-    ctx = PassContext.build(gm, example_inputs, options, profile, predictors)
+    ctx = PassContext.build(gm, example_inputs, options, profile, predictors, _PARAM_NAMES)
     for _, run in PIPELINE:
         gm = run(gm, ctx)
     return ctx
@@ -86,6 +97,7 @@ def compile(model: torch.nn.Module, **options) -> torch.nn.Module:  # noqa: A001
     this backend with Inductor alone.
     """
     opts = DejavuOptions.from_mapping(options)
+    register_model(model)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.disable_compile = True

@@ -227,7 +227,7 @@ def build_graph_report(ctx, index: int) -> GraphReport:
         unmatched=list(disc.unmatched),
         counters=dict(ctx.counters.values),
         other_bytes=sum(_nbytes(p) for p in seen.values()),
-        decode=disc.new_tokens() == 1,
+        decode=disc.tokens == 1,
     )
     for p in params:
         report.params[p] = True

@@ -57,10 +57,15 @@ class PassContext:
     counters: Counters = field(default_factory=Counters)
     notes: list[str] = field(default_factory=list)
     constants: int = 0
+    # parameter -> its name in the user's model, for models registered by the API (lets graphs
+    # split by Dynamo know their layer numbers); empty for a plain torch.compile call
+    param_names: Any = field(default_factory=dict)
 
     @classmethod
-    def build(cls, gm: fx.GraphModule, example_inputs, options, profile, predictors):
-        ctx = cls(options, profile, predictors, list(example_inputs))
+    def build(cls, gm: fx.GraphModule, example_inputs, options, profile, predictors,
+              param_names=None):
+        ctx = cls(options, profile, predictors, list(example_inputs),
+                  param_names=param_names if param_names is not None else {})
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for node, value in zip(placeholders, ctx.example_inputs):
             ctx.values[node] = value
@@ -101,6 +106,7 @@ def _getattr_path(gm: fx.GraphModule, target: str):
 
 
 _INDEX = re.compile(r"\[\s*'?(\d+)'?\s*\]")
+_DOTTED_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
 _PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.(\w+)|\[\s*'?(\w+)'?\s*\]")
 
 
@@ -114,21 +120,28 @@ def source_name(node: fx.Node) -> str | None:
     return name() if callable(name) else str(name)
 
 
-def parameter_name(node: fx.Node) -> str:
+def _where_from(node: fx.Node, ctx: PassContext | None) -> str | None:
+    value = ctx.values.get(node) if ctx is not None else None
+    if value is not None and value in ctx.param_names:
+        return ctx.param_names[value]
+    return source_name(node) if node.op == "placeholder" else str(node.target)
+
+
+def parameter_name(node: fx.Node, ctx: PassContext | None = None) -> str:
     """A readable dotted name for a weight node: ``model.layers.3.mlp.down_proj.weight``."""
-    src = source_name(node) if node.op == "placeholder" else str(node.target)
+    src = _where_from(node, ctx)
     if not src:
         return node.name
     parts = [next(g for g in m.groups() if g is not None) for m in _PART.finditer(src)]
     return ".".join(p for p in parts if p != "self") or src
 
 
-def layer_hint(node: fx.Node) -> int | None:
-    """The ModuleList index in a weight's source path (the layer number), if it has one."""
-    src = source_name(node) if node.op == "placeholder" else str(node.target)
+def layer_hint(node: fx.Node, ctx: PassContext | None = None) -> int | None:
+    """The ModuleList index in a weight's name or source path (the layer number), if any."""
+    src = _where_from(node, ctx)
     if not src:
         return None
-    match = _INDEX.search(src)
+    match = _INDEX.search(src) or _DOTTED_INDEX.search(src)
     return int(match.group(1)) if match else None
 
 

@@ -88,23 +88,25 @@ class Discovery:
     attention: dict[int, AttentionBlock] = field(default_factory=dict)
     unmatched: list[str] = field(default_factory=list)  # "name: reason", left dense
     other_linears: list[Linear] = field(default_factory=list)
+    tokens: int | None = None  # new tokens per sequence, see ``count_new_tokens``
+    named_layers: bool = True  # layer numbers from weight names (False: from graph order only)
 
     @property
     def layers(self) -> list[int]:
         return sorted(set(self.mlp) | set(self.attention))
 
-    def new_tokens(self) -> int | None:
+    def count_new_tokens(self) -> int | None:
         """New tokens per sequence when the graph fixes it, else None.
 
         Read from the queries' shape, or from 3-d MLP inputs in a graph without attention. A
         symbolic count is None: Dynamo specialises sizes 0 and 1, so a graph with a symbolic
         token count never runs a single-token decode step.
         """
-        counts = {b.tokens for b in self.attention.values()}
+        counts = [b.tokens for b in self.attention.values()]
         if not counts:
             vals = [fake_value(b.input) for b in self.mlp.values()]
-            counts = {v.shape[-2] for v in vals if v is not None and v.dim() >= 3}
-        counts = {c if isinstance(c, int) else None for c in counts}
+            counts = [v.shape[-2] for v in vals if v is not None and v.dim() >= 3]
+        counts = {c if isinstance(c, int) else None for c in counts}  # SymInts are unhashable
         return counts.pop() if len(counts) == 1 else None
 
 
@@ -250,23 +252,24 @@ def _match_mlp(down: Linear, gm, ctx: PassContext) -> tuple[dict | None, str]:
     return None, "input is not act(linear(x)) or act(linear(x)) * linear(x)"
 
 
-def _assign_layers(blocks: list[tuple[str, dict]]) -> list[int]:
-    """Layer numbers: ModuleList indices when every block has a consistent one, else order."""
+def _assign_layers(blocks: list[tuple[str, dict]], ctx: PassContext) -> tuple[list[int], bool]:
+    """Layer numbers: ModuleList indices when every block has a consistent one, else graph
+    order. The flag says whether the numbers are the model's own (names) or only the order."""
     hints = []
     for _, found in blocks:
         lins = [found[k] for k in ("q", "k", "v", "o", "first", "up", "down") if found.get(k)]
-        ids = {layer_hint(lin.weight_node) for lin in lins}
+        ids = {layer_hint(lin.weight_node, ctx) for lin in lins}
         hints.append(ids.pop() if len(ids) == 1 else None)
     kinds = [kind for kind, _ in blocks]
     pairs = list(zip(kinds, hints))
     if None not in hints and len(set(pairs)) == len(pairs):
-        return hints
+        return hints, True
     layers, current = [], -1
     for kind, _ in blocks:
         if kind == "attention" or current < 0 or (kinds.count("attention") == 0):
             current += 1
         layers.append(current)
-    return layers
+    return layers, False
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -299,7 +302,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         claimed.update(lin.node for lin in (found["first"], found["up"], down) if lin is not None)
     blocks.sort(key=lambda b: order[(b[1].get("q") or b[1]["first"]).node])
     disc = Discovery()
-    for (kind, found), layer in zip(blocks, _assign_layers(blocks)):
+    layers, disc.named_layers = _assign_layers(blocks, ctx)
+    for (kind, found), layer in zip(blocks, layers):
         if kind == "attention":
             disc.attention[layer] = AttentionBlock(layer=layer, **found)
         else:
@@ -307,11 +311,13 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if is_linear(node) and node not in claimed:
             lin = ctx.linear(node, gm)
-            name = parameter_name(node.args[1]) if isinstance(node.args[1], fx.Node) else node.name
+            weight = node.args[1]
+            name = parameter_name(weight, ctx) if isinstance(weight, fx.Node) else node.name
             disc.unmatched.append(f"{name}: not part of a matched attention or MLP block")
             if lin is not None:
                 disc.other_linears.append(lin)
     disc.unmatched.extend(failures)
+    disc.tokens = disc.count_new_tokens()
     ctx.discovery = disc
     ctx.counters.add("attention_blocks", len(disc.attention))
     ctx.counters.add("mlp_blocks", len(disc.mlp))

@@ -57,6 +57,13 @@ def _identity_errors(ctx: PassContext) -> None:
     """Refuse a profile calibrated on another model, naming the first layer that differs."""
     ident = ctx.profile.model
     disc = ctx.discovery
+    if not disc.named_layers and len(disc.layers) < ident.num_layers:
+        raise ProfileError(
+            f"this graph holds {len(disc.layers)} of the {ident.num_layers} layers of "
+            f"{ident.name!r} and its weights carry no layer numbers, so per-layer settings "
+            "cannot be matched: compile with dejavu_compile.compile(model, profile=...), which "
+            "registers the model's parameter names"
+        )
     for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention)):
         for layer, block in blocks.items():
             if layer >= ident.num_layers:
@@ -97,7 +104,7 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
     if prof is not None:
         _identity_errors(ctx)
     granularity = prof.attention_granularity if prof is not None else opts.attention_granularity
-    tokens = disc.new_tokens()
+    tokens = disc.tokens
     plan = {}
     for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention)):
         for layer, block in blocks.items():

@@ -74,8 +74,8 @@ def test_graph_holds_expected_ops(tiny, arch, granularity):
     with torch.no_grad():
         _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
     (prefill_gm, prefill_ctx), (gm, ctx) = graphs
-    assert _dejavu_nodes(prefill_gm) == [] and prefill_ctx.discovery.new_tokens() == 7
-    assert ctx.discovery.new_tokens() == 1
+    assert _dejavu_nodes(prefill_gm) == [] and prefill_ctx.discovery.tokens == 7
+    assert ctx.discovery.tokens == 1
     names = _dejavu_nodes(gm)
     layers = model.config.num_hidden_layers
     assert names.count("dejavu::sparse_mlp") == layers

@@ -1,0 +1,270 @@
+"""Profiles (predictor mode, validation), generation, recompilation, graph breaks, batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+import dejavu_compile
+from dejavu_compile import DejavuOptions, ProfileError, load_profile, save_profile
+from dejavu_compile.backend import register_model
+from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile
+
+from .conftest import prompt
+from .test_backend import FP32, _capture, _decode_logits, _dejavu_nodes
+
+
+def _identity(model, name="tiny") -> ModelIdentity:
+    cfg = model.config
+    return ModelIdentity(
+        name=name, model_type=cfg.model_type, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers, intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+    )
+
+
+def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=True):
+    ident = _identity(model)
+    gen = torch.Generator().manual_seed(3)
+    tensors, layers = {}, []
+    for i in range(ident.num_layers):
+        blocks = {}
+        for kind, units in (("mlp", ident.intermediate_size), ("attention", ident.num_heads)):
+            if dense_first and i == 0:
+                blocks[kind] = BlockProfile()
+                continue
+            tensors[f"layers.{i}.{kind}.w1"] = torch.randn(rank, ident.hidden_size, generator=gen)
+            tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
+            tensors[f"layers.{i}.{kind}.b2"] = torch.randn(units, generator=gen)
+            blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
+                                        rank=rank, activation="relu", recall=0.5)
+        layers.append(LayerProfile(index=i, **blocks))
+    profile = Profile(model=ident, layers=tuple(layers), predictor_file="tiny.safetensors")
+    path = tmp_path / "tiny.yaml"
+    save_profile(profile, path, tensors)
+    return path, tensors
+
+
+def _predictor_reference_hooks(model, tensors, density):
+    """Eager hooks doing what a predictor profile means: per decoded token, the predictor's
+    top-k heads (queries and output projection) and neurons (down projection input)."""
+    from dejavu_compile.kernels.reference import topk_indices
+
+    def predict(x, layer, kind, units):
+        w1, w2, b2 = (tensors[f"layers.{layer}.{kind}.{n}"] for n in ("w1", "w2", "b2"))
+        logits = torch.relu(x @ w1.t()) @ w2.t() + b2
+        k = max(1, round(density * units))
+        return torch.zeros_like(logits).scatter_(-1, topk_indices(logits, k), 1.0)
+
+    handles, state = [], {}
+    for layer, block in enumerate(model.model.layers):
+        heads = model.config.num_attention_heads
+        attn = block.self_attn
+        hd = attn.head_dim
+
+        def q_hook(mod, args, out, layer=layer):
+            if layer == 0:
+                return None
+            mask = predict(args[0], layer, "attention", heads)
+            state[layer] = mask
+            return out * mask.repeat_interleave(hd, dim=-1)
+
+        def o_hook(mod, args, layer=layer):
+            if layer == 0:
+                return None
+            return (args[0] * state[layer].repeat_interleave(hd, dim=-1),)
+
+        def mlp_hook(mod, args, out, layer=layer):
+            return None
+
+        def down_hook(mod, args, layer=layer):
+            if layer == 0:
+                return None
+            mask = predict(state[(layer, "x")], layer, "mlp", args[0].shape[-1])
+            return (args[0] * mask,)
+
+        def up_hook(mod, args, layer=layer):
+            state[(layer, "x")] = args[0]
+
+        handles += [attn.q_proj.register_forward_hook(q_hook),
+                    attn.o_proj.register_forward_pre_hook(o_hook),
+                    block.mlp.up_proj.register_forward_pre_hook(up_hook),
+                    block.mlp.down_proj.register_forward_pre_hook(down_hook)]
+    return handles
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_predictor_profile_matches_reference(tiny, arch, tmp_path):
+    model = tiny(arch)
+    path, tensors = _random_predictor_profile(model, tmp_path)
+    ids = prompt()
+    with torch.no_grad():
+        handles = []
+        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
+            _predictor_reference_hooks(model, tensors, 0.5)))
+        for h in handles:
+            h.remove()
+        compiled = torch.compile(model, backend="dejavu", options={"profile": str(path)})
+        got = _decode_logits(compiled, ids)
+    torch.testing.assert_close(got, want, **FP32)
+    rep = dejavu_compile.report(model)
+    assert rep.layers[0].mlp.selector == "dense" and rep.layers[1].mlp.selector == "predictor"
+    assert rep.layers[1].attention.k == 2
+    assert rep.bytes_sparse < rep.bytes_dense
+
+
+def test_profile_round_trips(tiny, tmp_path):
+    model = tiny("llama")
+    path, _ = _random_predictor_profile(model, tmp_path)
+    loaded = load_profile(path)
+    assert loaded.to_dict() == yaml.safe_load(path.read_text())
+    assert loaded.layer(1).mlp.density == 0.5 and loaded.model.hidden_size == 64
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda d: d.pop("version"), "field 'version' is missing"),
+        (lambda d: d.update(version=7), "field 'version' is 7"),
+        (lambda d: d["model"].pop("hidden_size"), "model, field 'hidden_size' is missing"),
+        (lambda d: d["layers"][1]["mlp"].update(density=1.5), "layer 1, mlp: density"),
+        (lambda d: d["layers"][1]["mlp"].update(density="half"), "layer 1, mlp, field 'density'"),
+        (lambda d: d["layers"][1]["attention"].update(selector="magic"), "layer 1, attention"),
+        (lambda d: d["layers"].pop(), "'layers' must list each index 0..1"),
+        (lambda d: d["layers"][0].update(extra=1), "layer 0 has unknown field"),
+    ],
+)
+def test_malformed_profile_names_the_field(tiny, tmp_path, edit, message):
+    path, _ = _random_predictor_profile(tiny("llama"), tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    edit(doc)
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+
+
+def test_not_yaml_profile_is_refused(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("version: [1\n")
+    with pytest.raises(ProfileError, match="not valid YAML"):
+        load_profile(path)
+
+
+def test_profile_for_another_model_is_refused(tiny, tmp_path):
+    path, _ = _random_predictor_profile(tiny("llama"), tmp_path)
+    other = tiny("opt")  # same hidden size, 4 heads, but 4 KV heads instead of 2
+    with torch.no_grad(), pytest.raises(Exception, match="layer 0 attention has num_kv_heads=4"):
+        _decode_logits(torch.compile(other, backend="dejavu", options={"profile": str(path)}),
+                       prompt(), steps=1)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({}, "needs options"),
+        ({"selector": "oracle", "mlp_density": 0}, "mlp_density"),
+        ({"selector": "oracle", "mlp_density": 1.2}, "mlp_density"),
+        ({"selector": "predictor"}, "needs a profile"),
+        ({"selector": "oracle", "bogus": 1}, "unknown dejavu option"),
+        ({"selector": "oracle", "inner": "tvm"}, "inner"),
+        ({"profile": "x.yaml", "mlp_density": 0.5}, "not both"),
+    ],
+)
+def test_bad_options_are_clear(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        DejavuOptions.from_mapping(options)
+
+
+def test_unmatched_attention_stays_dense_and_is_reported(tiny):
+    model = tiny("llama")
+    model.config._attn_implementation = "eager"  # softmax(QK^T)V in plain ops: no SDPA node
+    ids = prompt()
+    with torch.no_grad():
+        want = _decode_logits(model, ids)
+        compiled = torch.compile(model, backend="dejavu", options={
+            "selector": "oracle", "mlp_density": 1.0, "attention_density": 0.5})
+        got = _decode_logits(compiled, ids)
+    torch.testing.assert_close(got, want, **FP32)
+    rep = dejavu_compile.report(model)
+    assert all(r.attention is None and r.mlp.selector == "oracle" for r in rep.layers)
+    assert any("self_attn.q_proj.weight" in u for u in rep.unmatched)
+    assert "q_proj" in str(rep)
+
+
+def test_dense_layers_option_and_report_bytes(tiny):
+    model = tiny("llama")
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu", options={
+            "selector": "oracle", "mlp_density": 0.25, "dense_layers": [0]}), prompt(), steps=1)
+    rep = dejavu_compile.report(model)
+    first, second = rep.layers
+    assert first.mlp.selector == "dense" and "dense_layers" in first.mlp.reason
+    assert second.mlp.selector == "oracle" and second.mlp.k == 24
+    mlp = model.model.layers[1].mlp
+    weights = sum(p.numel() * 4 for p in mlp.parameters())
+    assert second.mlp.dense_bytes == weights
+    assert second.mlp.sparse_bytes == weights // 4
+    params = {id(p): p for p in model.parameters()}
+    assert rep.bytes_dense == sum(p.numel() * 4 for p in params.values())
+
+
+def _count_graphs(model):
+    return len(dejavu_compile.report(model).graphs)
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generate_works_and_does_not_recompile_per_step(tiny, cache):
+    model = tiny("llama")
+    ids = prompt()
+    kwargs = dict(do_sample=False, cache_implementation=cache, max_new_tokens=12)
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs)
+        dejavu_compile.compile(model, selector="oracle", mlp_density=1.0, attention_density=1.0,
+                               inner="eager")
+        got = model.generate(ids, **kwargs)
+        graphs = _count_graphs(model)
+        again = model.generate(ids, **kwargs)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    # Prefill, the first decode step, and at most one graph generalised over the cache length.
+    assert graphs <= 3, f"{graphs} graphs for 11 decode steps"
+    assert _count_graphs(model) == graphs, "a repeated generation compiled new graphs"
+
+
+def test_graph_break_each_graph_rewritten(tiny):
+    model = tiny("llama")
+    # A hook with a graph break between the two decoder layers splits the model in two graphs.
+    model.model.layers[1].register_forward_pre_hook(lambda mod, args: torch._dynamo.graph_break())
+    # Each layer then compiles as its own frame, whose weights' sources hold no layer number:
+    # the names registered by the API (dejavu_compile.compile does this) supply it.
+    register_model(model)
+    backend, graphs = _capture({"selector": "oracle", "mlp_density": 0.5})
+    ids = prompt()
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), ids, steps=1)
+    decode = [(gm, ctx) for gm, ctx in graphs if ctx.discovery.tokens == 1]
+    layers = sorted(layer for _, ctx in decode for layer in ctx.discovery.mlp)
+    assert layers == [0, 1], "layer numbers must survive the graph break"
+    assert len(decode) >= 2 and all(_dejavu_nodes(gm).count("dejavu::sparse_mlp") == 1
+                                    for gm, _ in decode)
+
+
+def test_batch_decode_is_per_row(tiny):
+    model = tiny("qwen2")
+    ids = prompt(batch=3)
+    opts = {"selector": "oracle", "mlp_density": 0.3, "attention_density": 0.5}
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="dejavu", options=opts)
+        batched = _decode_logits(compiled, ids)
+        rows = torch.cat([_decode_logits(compiled, ids[i : i + 1]) for i in range(3)])
+    torch.testing.assert_close(batched, rows, **FP32)
+
+
+def test_split_graph_without_layer_names_refuses_a_profile(tiny, tmp_path):
+    model = tiny("llama")
+    path, _ = _random_predictor_profile(model, tmp_path)
+    model.model.layers[1].register_forward_pre_hook(lambda mod, args: torch._dynamo.graph_break())
+    compiled = torch.compile(model, backend="dejavu", options={"profile": str(path)})
+    with torch.no_grad(), pytest.raises(Exception, match="carry no layer numbers"):
+        _decode_logits(compiled, prompt(), steps=1)
