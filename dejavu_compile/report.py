@@ -147,12 +147,28 @@ class CompileReport:
             f"{self.bytes_sparse * mb:.2f} MiB (selectors included; other parameters "
             f"{self.main.other_bytes * mb:.2f} MiB read densely)"
         )
-        reasons = sorted({f"layer {r.layer} {b.kind}: {b.reason}" for r in self.layers
-                          for b in r.blocks() if b.reason and self.main.decode})
+        grouped: dict[tuple[str, str], list[int]] = {}
+        for r in self.layers:
+            for b in r.blocks():
+                if b.reason and self.main.decode:
+                    grouped.setdefault((b.kind, b.reason), []).append(r.layer)
+        reasons = [f"{kind} dense in layers {_ranges(layers)}: {why}"
+                   for (kind, why), layers in grouped.items()]
         for line in reasons + [f"dense: {u}" for u in self.unmatched]:
             lines.append(f"  {line}")
         lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
         return "\n".join(lines)
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for v in sorted(values):
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -67,7 +67,7 @@ class PassContext:
         ctx = cls(options, profile, predictors, list(example_inputs),
                   param_names=param_names if param_names is not None else {})
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        for node, value in zip(placeholders, ctx.example_inputs):
+        for node, value in zip(placeholders, ctx.example_inputs, strict=True):
             ctx.values[node] = value
         return ctx
 

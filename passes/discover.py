@@ -261,7 +261,7 @@ def _assign_layers(blocks: list[tuple[str, dict]], ctx: PassContext) -> tuple[li
         ids = {layer_hint(lin.weight_node, ctx) for lin in lins}
         hints.append(ids.pop() if len(ids) == 1 else None)
     kinds = [kind for kind, _ in blocks]
-    pairs = list(zip(kinds, hints))
+    pairs = list(zip(kinds, hints, strict=True))
     if None not in hints and len(set(pairs)) == len(pairs):
         return hints, True
     layers, current = [], -1
@@ -303,7 +303,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     blocks.sort(key=lambda b: order[(b[1].get("q") or b[1]["first"]).node])
     disc = Discovery()
     layers, disc.named_layers = _assign_layers(blocks, ctx)
-    for (kind, found), layer in zip(blocks, layers):
+    for (kind, found), layer in zip(blocks, layers, strict=True):
         if kind == "attention":
             disc.attention[layer] = AttentionBlock(layer=layer, **found)
         else:

@@ -24,14 +24,15 @@ _RELAYOUT = WeakIdKeyDictionary()
 DEJAVU_NAMESPACE = "dejavu"
 
 
-def relayout(weight: torch.Tensor) -> torch.Tensor:
-    """``weight.t()`` stored contiguously, cached per weight tensor until it is modified."""
+def relayout(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``weight.t()`` stored contiguously, cached per weight tensor until it is modified; the
+    flag says whether this call made the copy."""
     cached = _RELAYOUT.get(weight)
     if cached is not None and cached[0] == weight._version:
-        return cached[1]
+        return cached[1], False
     copy = weight.detach().t().contiguous()
     _RELAYOUT[weight] = (weight._version, copy)
-    return copy
+    return copy, True
 
 
 def _is_dejavu(node: fx.Node) -> bool:
@@ -49,13 +50,14 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         weight = ctx.tensor(node.args[0], gm)
         if weight is None:
             continue
-        copy = relayout(weight)
+        copy, new = relayout(weight)
         with graph.inserting_before(node):
             const = add_constant(gm, ctx, "relayout", copy, fake_mode)
         node.replace_all_uses_with(const)
         graph.erase_node(node)
         ctx.counters.add("relayout")
-        ctx.counters.add("relayout_bytes", copy.numel() * copy.element_size())
+        if new:  # copies are shared between graphs: count each once
+            ctx.counters.add("relayout_bytes", copy.numel() * copy.element_size())
     graph.lint()
     gm.recompile()
     return gm

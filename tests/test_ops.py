@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dejavu_compile.kernels import reference as ref
 
 import dejavu_compile  # noqa: F401  (registers torch.ops.dejavu)
-from dejavu_compile.kernels import reference as ref
 
 OPS = torch.ops.dejavu
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}

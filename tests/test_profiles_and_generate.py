@@ -59,10 +59,10 @@ def _predictor_reference_hooks(model, tensors, density):
         return torch.zeros_like(logits).scatter_(-1, topk_indices(logits, k), 1.0)
 
     handles, state = [], {}
+    heads = model.config.num_attention_heads
+    hd = model.model.layers[0].self_attn.head_dim
     for layer, block in enumerate(model.model.layers):
-        heads = model.config.num_attention_heads
         attn = block.self_attn
-        hd = attn.head_dim
 
         def q_hook(mod, args, out, layer=layer):
             if layer == 0:
@@ -75,9 +75,6 @@ def _predictor_reference_hooks(model, tensors, density):
             if layer == 0:
                 return None
             return (args[0] * state[layer].repeat_interleave(hd, dim=-1),)
-
-        def mlp_hook(mod, args, out, layer=layer):
-            return None
 
         def down_hook(mod, args, layer=layer):
             if layer == 0:
