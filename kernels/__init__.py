@@ -1,5 +1,21 @@
-"""Sparse ops of dejavu-compile: ``torch.ops.dejavu.*`` with their references and kernels."""
+"""Sparse ops of dejavu-compile: ``torch.ops.dejavu.*`` with their references and kernels.
+
+The ops' default implementation is the PyTorch reference; where Triton is installed, its
+kernels are registered for CUDA tensors (the lowering the dispatcher does by device).
+"""
 
 from . import ops, reference
 
-__all__ = ["ops", "reference"]
+try:
+    import triton  # noqa: F401
+except ImportError:  # CPU-only installs run the reference everywhere
+    HAVE_TRITON = False
+else:
+    HAVE_TRITON = True
+    from . import heads, sparse_mlp
+
+    ops.sparse_mlp.register_kernel("cuda")(sparse_mlp.sparse_mlp)
+    ops.sparse_head_proj.register_kernel("cuda")(heads.sparse_head_proj)
+    ops.sparse_head_out.register_kernel("cuda")(heads.sparse_head_out)
+
+__all__ = ["HAVE_TRITON", "ops", "reference"]

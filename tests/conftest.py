@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import transformers as tf
+import os
+
+# Triton kernels run on CPU through the interpreter (read when kernels are decorated, so before
+# dejavu_compile is imported). A GPU run sets TRITON_INTERPRET=0 to test the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
 
 VOCAB = 96
 

@@ -1,0 +1,50 @@
+"""Pieces shared by the Triton kernels: activations, autotune configs, availability."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_CODES = {"relu": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def apply_act(h, ACT: tl.constexpr):
+    """The MLP activation ``ACT`` (see ``ACT_CODES``) on fp32 ``h``."""
+    if ACT == 0:
+        return tl.maximum(h, 0.0)
+    elif ACT == 1:
+        return h / (1.0 + tl.exp(-h))
+    elif ACT == 2:
+        return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+    else:
+        z = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+        return h * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z)))  # 0.5 * h * (1 + tanh(z))
+
+
+def gather_configs() -> list[triton.Config]:
+    """Tile shapes swept by autotuning: rows per program x columns per step x warps.
+
+    Under the interpreter (CPU tests) one small config keeps runs short.
+    """
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 8, "BLOCK_D": 32}, num_warps=1)]
+    configs = []
+    for block_n in (8, 16, 32, 64):
+        for block_d in (64, 128, 256):
+            for warps in (4, 8):
+                configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_D": block_d},
+                                             num_warps=warps))
+    return configs
+
+
+def check_dtype(name: str, *tensors) -> None:
+    """Raise a clear error for a dtype the kernels do not handle (they accumulate in fp32)."""
+    for t in tensors:
+        if t is not None and t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{name}: the Triton kernel handles {KERNEL_DTYPES}, got {t.dtype}")

@@ -1,0 +1,84 @@
+"""Every Triton kernel against the PyTorch reference, on CPU through TRITON_INTERPRET=1
+(set in conftest.py), on small odd shapes, each dtype and density."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dejavu_compile.kernels import reference as ref
+
+heads = pytest.importorskip("dejavu_compile.kernels.heads")
+sparse_mlp = pytest.importorskip("dejavu_compile.kernels.sparse_mlp")
+
+# Tolerances against the fp64 reference, per input dtype (kernels accumulate in fp32).
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+DTYPES = list(TOL)
+
+
+def _rand(*shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-1] ** 0.5).to(dtype)
+
+
+def _selection(rows, n, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n, generator=gen)[:k].sort().values for _ in range(rows)])
+
+
+def _ref64(fn, *args, **kw):
+    up = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return fn(*up, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])  # one row, a few, all
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
+    d, n, d_out = 37, 45, 29
+    k = max(1, round(density * n))
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
+    b1 = None if gated else _rand(n, dtype=dtype, seed=3)
+    w_up = _rand(n, d, dtype=dtype, seed=4) if gated else None
+    b2 = _rand(d_out, dtype=dtype, seed=5)
+    idx = _selection(batch, n, k).view(batch, 1, k)
+    want = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
+    got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_heads,head_dim,k", [(5, 8, 1), (6, 12, 3), (4, 16, 4)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_head_kernels(dtype, n_heads, head_dim, k, bias, batch):
+    d = 23
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    w = _rand(n_heads * head_dim, d, dtype=dtype, seed=1)
+    b = _rand(n_heads * head_dim, dtype=dtype, seed=2) if bias else None
+    idx = _selection(batch, n_heads, k).view(batch, 1, k)
+    want = _ref64(ref.sparse_head_proj, x, idx, w, b, head_dim)
+    got = heads.sparse_head_proj(x, idx, w, b, head_dim)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+    attn = _rand(batch, 1, n_heads * head_dim, dtype=dtype, seed=3)
+    wo_t = _rand(n_heads * head_dim, d, dtype=dtype, seed=4)
+    bo = _rand(d, dtype=dtype, seed=5) if bias else None
+    want = _ref64(ref.sparse_head_out, attn, idx, wo_t, bo, head_dim)
+    got = heads.sparse_head_out(attn, idx, wo_t, bo, head_dim)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+def test_kernels_refuse_unsupported_dtype():
+    x = torch.randn(1, 1, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="Triton kernel handles"):
+        sparse_mlp.sparse_mlp(x, torch.zeros(1, 1, 2, dtype=torch.int64), torch.randn(4, 8),
+                              None, None, torch.randn(4, 8), None, "relu")
