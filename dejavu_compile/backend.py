@@ -49,12 +49,13 @@ def transform(gm: fx.GraphModule, example_inputs, options: DejavuOptions) -> Pas
     return ctx
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs, inner: str):
-    if inner == "eager":
+def _inner_compile(gm: fx.GraphModule, example_inputs, opts: DejavuOptions):
+    if opts.inner == "eager":
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+    patches = {"triton.cudagraphs": True} if opts.cudagraphs else {}
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def dejavu_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
@@ -72,7 +73,7 @@ def dejavu_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
         report = build_graph_report(ctx, index=len(_REPORTS))
         _REPORTS.append(report)
     log.info("%s", CompileReport([report]))
-    return _inner_compile(gm, example_inputs, opts.inner)
+    return _inner_compile(gm, example_inputs, opts)
 
 
 def report(model: torch.nn.Module) -> CompileReport:

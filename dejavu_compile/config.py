@@ -40,6 +40,8 @@ class DejavuOptions:
         grouped-query attention) when no profile is given.
     dense_layers: layer indices kept dense whatever the densities say.
     inner: the compiler that receives the rewritten graph, ``"inductor"`` or ``"eager"``.
+    cudagraphs: capture the compiled decode step in CUDA graphs (Inductor's, as with
+        ``mode="reduce-overhead"``; ``torch.compile`` takes no ``mode`` beside ``options``).
     """
 
     version: int = 1
@@ -50,6 +52,7 @@ class DejavuOptions:
     attention_granularity: str = DEFAULT_GRANULARITY
     dense_layers: tuple[int, ...] = ()
     inner: str = DEFAULT_INNER
+    cudagraphs: bool = False
 
     def __post_init__(self) -> None:
         if self.version != 1:
@@ -66,6 +69,8 @@ class DejavuOptions:
         if self.inner not in INNER_COMPILERS:
             raise ValueError(f"option 'inner' must be one of {INNER_COMPILERS}, got {self.inner!r}")
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        if self.cudagraphs and self.inner != "inductor":
+            raise ValueError("option 'cudagraphs' needs inner='inductor'")
         if self.profile is None:
             if self.selector is None:
                 raise ValueError(

@@ -129,6 +129,9 @@ def _where_from(node: fx.Node, ctx: PassContext | None) -> str | None:
 
 def parameter_name(node: fx.Node, ctx: PassContext | None = None) -> str:
     """A readable dotted name for a weight node: ``model.layers.3.mlp.down_proj.weight``."""
+    value = ctx.values.get(node) if ctx is not None else None
+    if value is not None and value in ctx.param_names:
+        return ctx.param_names[value]
     src = _where_from(node, ctx)
     if not src:
         return node.name

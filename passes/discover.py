@@ -140,9 +140,19 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in VIEW_FUNCTIONS
 
 
+def _is_inplace(node: fx.Node) -> bool:
+    """An in-place op (``index_copy_``, ``copy_``, ...) writing into its first argument."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return (node.op in ("call_method", "call_function") and isinstance(name, str)
+            and name.endswith("_") and not name.startswith("_"))
+
+
 def _nearest_linears(start, limit: int = MAX_TRACE) -> tuple[list[fx.Node], bool]:
     """Linear nodes reached first when walking back from ``start``; ok=False if the walk hit
-    another attention op or ran too long (the value is not a projection of this layer)."""
+    another attention op or ran too long (the value is not a projection of this layer).
+
+    A tensor written in place (a static KV cache: ``cache.index_copy_(..., k)``) is traced
+    through the values written into it, so keys and values reach their projections."""
     found, seen, stack = [], set(), [start]
     while stack:
         node = stack.pop()
@@ -157,6 +167,9 @@ def _nearest_linears(start, limit: int = MAX_TRACE) -> tuple[list[fx.Node], bool
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             return found, False
         stack.extend(node.all_input_nodes)
+        for user in node.users:
+            if _is_inplace(user) and user.args and user.args[0] is node:
+                stack.extend(n for n in user.all_input_nodes if n is not node)
     return found, True
 
 

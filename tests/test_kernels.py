@@ -1,11 +1,13 @@
-"""Every Triton kernel against the PyTorch reference, on CPU through TRITON_INTERPRET=1
-(set in conftest.py), on small odd shapes, each dtype and density."""
+"""Every Triton kernel against the PyTorch reference, on small odd shapes, each dtype and
+density: on CPU through TRITON_INTERPRET=1 (set in conftest.py), or compiled on a CUDA GPU when
+run there with TRITON_INTERPRET=0."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-
 from dejavu_compile.kernels import reference as ref
 
 heads = pytest.importorskip("dejavu_compile.kernels.heads")
@@ -18,16 +20,19 @@ TOL = {
     torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
 }
 DTYPES = list(TOL)
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def _rand(*shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-1] ** 0.5).to(dtype)
+    t = torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-1] ** 0.5
+    return t.to(device=DEVICE, dtype=dtype)
 
 
 def _selection(rows, n, k, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(n, generator=gen)[:k].sort().values for _ in range(rows)])
+    sel = [torch.randperm(n, generator=gen)[:k].sort().values for _ in range(rows)]
+    return torch.stack(sel).to(DEVICE)
 
 
 def _ref64(fn, *args, **kw):
@@ -51,7 +56,7 @@ def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
     idx = _selection(batch, n, k).view(batch, 1, k)
     want = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
     got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
-    assert got.dtype == dtype and got.shape == want.shape
+    assert got.dtype == dtype and got.shape == want.shape and got.device == x.device
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
 
 

@@ -224,6 +224,8 @@ def test_generate_works_and_does_not_recompile_per_step(tiny, cache):
         graphs = _count_graphs(model)
         again = model.generate(ids, **kwargs)
     assert torch.equal(got, want) and torch.equal(again, want)
+    rows = dejavu_compile.report(model).layers
+    assert all(r.attention.selector == "oracle" and r.mlp.selector == "oracle" for r in rows)
     # Prefill, the first decode step, and at most one graph generalised over the cache length.
     assert graphs <= 3, f"{graphs} graphs for 11 decode steps"
     assert _count_graphs(model) == graphs, "a repeated generation compiled new graphs"

@@ -1,0 +1,382 @@
+"""``dejavu bench``: kernel sweep and end-to-end decode latency on a CUDA GPU.
+
+Shapes come from the model configs below (the published dimensions of each model; weights are
+random: speed does not depend on their values). Every timing of one table is taken in the same
+process, side by side, with the measured copy bandwidth of this GPU as the ceiling.
+
+(a) kernels: the fused sparse MLP and the head-gathered output projection at several densities,
+    against cuBLAS dense and PyTorch's naive index-then-multiply. Each timing runs the op over
+    ``LAYERS`` distinct weight sets inside one CUDA graph (as decoding reads each layer once per
+    token, so nothing is served from L2) and divides by ``LAYERS``.
+(b) end to end: per-token decode latency (batch 1, fp16, static KV cache) for HF eager, HF +
+    torch.compile (Inductor, CUDA graphs), dejavu dense, and dejavu at the operating point, with
+    the byte floor of each and (c) the peak GPU memory of each.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DENSITIES = (0.05, 0.1, 0.25, 0.5, 0.8, 1.0)
+LAYERS = 8
+
+
+def shape_configs():
+    """Hugging Face configs with the published shapes of the benchmarked models."""
+    import transformers as tf
+
+    return {
+        "opt-13b": tf.OPTConfig(hidden_size=5120, ffn_dim=20480, num_hidden_layers=40,
+                                num_attention_heads=40, word_embed_proj_dim=5120,
+                                vocab_size=50272, max_position_embeddings=2048),
+        "opt-6.7b": tf.OPTConfig(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                                 num_attention_heads=32, word_embed_proj_dim=4096,
+                                 vocab_size=50272, max_position_embeddings=2048),
+        "llama-3-8b": tf.LlamaConfig(hidden_size=4096, intermediate_size=14336,
+                                     num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, vocab_size=128256,
+                                     max_position_embeddings=8192, rope_theta=500000.0),
+    }
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    import triton.testing
+
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _time_layers(fn, layers: int) -> tuple[float, float, float]:
+    """Median and 20/80 percentiles (ms) of one call of ``fn(i)``, run for each of ``layers``
+    weight sets inside one CUDA graph."""
+    import triton.testing
+
+    def body():
+        for i in range(layers):
+            fn(i)
+
+    q = triton.testing.do_bench_cudagraph(body, rep=200, quantiles=[0.5, 0.2, 0.8])
+    return tuple(t / layers for t in q)
+
+
+def _mlp_weights(cfg, dtype):
+    d = cfg.hidden_size
+    n = getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
+    gated = cfg.model_type != "opt"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) * shape[-1] ** -0.5).to(dtype)
+
+    sets = []
+    for _ in range(LAYERS):
+        w1 = rand(n, d)
+        w_up = rand(n, d) if gated else None
+        w2_t = rand(n, d)
+        sets.append((w1, w_up, w2_t))
+    return sets, d, n, gated
+
+
+def _mlp_sweep(name: str, cfg, densities, dtype) -> list[dict]:
+    """The fused sparse MLP against cuBLAS dense and PyTorch's index-then-multiply."""
+    from dejavu_compile.kernels import sparse_mlp
+
+    act = "relu" if cfg.model_type == "opt" else "silu"
+    sets, d, n, gated = _mlp_weights(cfg, dtype)
+    x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
+    dense_w2 = [w2_t.t().contiguous() for _, _, w2_t in sets]  # cuBLAS reads [d, n] row-major
+    esize = torch.finfo(dtype).bits // 8
+    rows = []
+
+    def dense_mlp(i):
+        w1, w_up, _ = sets[i]
+        h = F.silu(F.linear(x, w1)) * F.linear(x, w_up) if gated else F.relu(F.linear(x, w1))
+        return F.linear(h, dense_w2[i])
+
+    dense_ms = _time_layers(dense_mlp, LAYERS)
+    dense_bytes = (3 if gated else 2) * n * d * esize
+    for density in densities:
+        k = max(1, round(density * n))
+        idx = torch.randperm(n, device="cuda")[:k].sort().values.view(1, 1, k)
+        sparse_bytes = k * (3 if gated else 2) * d * esize
+
+        def sparse(i, idx=idx):
+            w1, w_up, w2_t = sets[i]
+            return sparse_mlp.sparse_mlp(x, idx, w1, None, w_up, w2_t, None, act)
+
+        def naive(i, idx=idx):
+            w1, w_up, w2_t = sets[i]
+            sel = idx.view(-1)
+            h = x.view(1, d) @ w1[sel].t()
+            h = F.silu(h) * (x.view(1, d) @ w_up[sel].t()) if gated else F.relu(h)
+            return h @ w2_t[sel]
+
+        ours, naive_ms = _time_layers(sparse, LAYERS), _time_layers(naive, LAYERS)
+        rows.append({
+            "model": name, "block": "mlp", "density": density, "k": k,
+            "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
+            "naive_ms": naive_ms[0], "dense_ms": dense_ms[0],
+            "bytes": sparse_bytes, "dense_bytes": dense_bytes,
+            "sparse_gbs": sparse_bytes / (ours[0] * 1e-3) / 1e9,
+            "dense_gbs": dense_bytes / (dense_ms[0] * 1e-3) / 1e9,
+        })
+    return rows
+
+
+def _attention_out_sweep(name, cfg, densities, dtype) -> list[dict]:
+    """The output projection over selected heads, against cuBLAS dense."""
+    from dejavu_compile.kernels import heads
+
+    d = cfg.hidden_size
+    esize = torch.finfo(dtype).bits // 8
+    rows = []
+    heads_n, hd = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    wo_t = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
+            for _ in range(LAYERS)]
+    wo = [w.t().contiguous() for w in wo_t]
+    attn = torch.randn(1, 1, heads_n * hd, device="cuda", dtype=dtype)
+    dense_o = _time_layers(lambda i: F.linear(attn, wo[i]), LAYERS)
+    for density in densities:
+        k = max(1, round(density * heads_n))
+        idx = torch.randperm(heads_n, device="cuda")[:k].sort().values.view(1, 1, k)
+        ours = _time_layers(lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i], None, hd),
+                            LAYERS)
+        nbytes = k * hd * d * esize
+        rows.append({
+            "model": name, "block": "attention_out", "density": density, "k": k,
+            "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
+            "naive_ms": float("nan"), "dense_ms": dense_o[0],
+            "bytes": nbytes, "dense_bytes": heads_n * hd * d * esize,
+            "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9,
+            "dense_gbs": heads_n * hd * d * esize / (dense_o[0] * 1e-3) / 1e9,
+        })
+    return rows
+
+
+@torch.no_grad()
+def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16) -> list[dict]:
+    """Rows of the kernel table for one model shape: MLP, then attention output projection."""
+    rows = _mlp_sweep(name, cfg, densities, dtype)
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows += _attention_out_sweep(name, cfg, densities, dtype)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+@dataclass
+class DecodeResult:
+    mode: str
+    ms_per_token: float
+    spread: tuple[float, float]
+    bytes_per_token: int
+    peak_gib: float
+
+
+def random_model(cfg, dtype=torch.float16):
+    """A randomly initialised causal LM of ``cfg``'s shape on the GPU, in eval mode."""
+    import transformers as tf
+
+    cfg = cfg.__class__.from_dict(cfg.to_dict())
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def random_profile(model, mlp_density: float, attention_density: float, rank: int, path):
+    """A profile with random predictors (speed does not depend on their values); layer 0 dense.
+
+    Densities of 1.0 leave that block dense (no selector): the dense pipeline."""
+    from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile, save_profile
+
+    cfg = model.config
+    inter = getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
+    heads = cfg.num_attention_heads
+    ident = ModelIdentity(
+        name=f"random-{cfg.model_type}", model_type=cfg.model_type, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers, intermediate_size=inter, num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", heads),
+        head_dim=cfg.hidden_size // heads)
+    tensors, layers = {}, []
+    gen = torch.Generator().manual_seed(0)
+    for i in range(ident.num_layers):
+        blocks = {}
+        for kind, units, density in (("mlp", inter, mlp_density),
+                                     ("attention", heads, attention_density)):
+            if i == 0 or density >= 1.0:
+                blocks[kind] = BlockProfile()
+                continue
+            tensors[f"layers.{i}.{kind}.w1"] = torch.randn(rank, ident.hidden_size, generator=gen)
+            tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
+            blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
+                                        rank=rank, activation="relu")
+        layers.append(LayerProfile(index=i, **blocks))
+    profile = Profile(model=ident, layers=tuple(layers),
+                      predictor_file=f"{path.stem}.safetensors" if tensors else None)
+    return save_profile(profile, path, tensors or None)
+
+
+@torch.no_grad()
+def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
+                   warmup: int = 3) -> DecodeResult:
+    """Per-token latency of ``new`` greedy-free decode steps after a ``prompt``-token prefill,
+    with a static cache; ``forward`` is the (compiled or plain) forward to call."""
+    from transformers import StaticCache
+
+    torch.cuda.reset_peak_memory_stats()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, prompt), device="cuda")
+    times = []
+    for rep in range(warmup + 1):
+        cache = StaticCache(config=model.config, max_cache_len=prompt + new + 1)
+        pos = torch.arange(prompt, device="cuda")
+        forward(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True)
+        tok = ids[:, -1:]
+        torch.cuda.synchronize()
+        steps = []
+        for i in range(new if rep == warmup else 4):
+            start = time.perf_counter()
+            out = forward(input_ids=tok, past_key_values=cache,
+                          cache_position=torch.tensor([prompt + i], device="cuda"), use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            steps.append(1e3 * (time.perf_counter() - start))
+        times = steps
+    qs = statistics.quantiles(times, n=10)
+    return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token,
+                        torch.cuda.max_memory_allocated() / 2**30)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decoded token reads densely (the embedding row aside)."""
+    seen = {}
+    for name, p in model.named_parameters():
+        seen[p.data_ptr()] = (name, p.numel() * p.element_size())
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    total = sum(b for _, b in seen.values())
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+@torch.no_grad()
+def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: int = 128,
+               rank: int = 128, workdir=None) -> list[DecodeResult]:
+    """Per-token decode latency of each mode on a random model of ``cfg``'s shape."""
+    import tempfile
+    from pathlib import Path
+
+    import dejavu_compile
+
+    workdir = Path(workdir or tempfile.mkdtemp())
+    model = random_model(cfg)
+    dense_bytes = weight_bytes(model)
+    results = [decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes)]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    results.append(decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes))
+
+    for mode, mlp, att in (("dejavu_dense", 1.0, 1.0),
+                           ("dejavu_sparse", operating_point["mlp"], operating_point["attention"])):
+        torch._dynamo.reset()
+        path = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml")
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={"profile": path, "cudagraphs": True})
+        dejavu_compile.backend.register_model(model)
+        res = decode_latency(model, fwd, prompt, new, mode, 0)
+        rep = dejavu_compile.report(model)
+        res.bytes_per_token = rep.bytes_sparse
+        results.append(res)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+def run(models: list[str], out_json: str | None = None, kernels: bool = True,
+        e2e: bool = True) -> dict:
+    """The whole benchmark; returns (and optionally writes) a JSON-able dict."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("dejavu bench needs a CUDA GPU")
+    configs = shape_configs()
+    unknown = [m for m in models if m not in configs]
+    if unknown:
+        raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(configs)}")
+    bw = copy_bandwidth()
+    result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": []}
+    print(f"GPU {result['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    for name in models:
+        if kernels:
+            for row in kernel_sweep(name, configs[name]):
+                row["pct_copy"] = 100 * row["sparse_gbs"] * 1e9 / bw
+                result["kernels"].append(row)
+                print(json.dumps(row), flush=True)
+        if e2e:
+            point = OPERATING_POINTS[name]
+            for res in end_to_end(name, configs[name], point):
+                row = {"model": name, "mode": res.mode, "ms_per_token": res.ms_per_token,
+                       "p20": res.spread[0], "p80": res.spread[1],
+                       "bytes_per_token": res.bytes_per_token,
+                       "floor_ms": res.bytes_per_token / bw * 1e3, "peak_gib": res.peak_gib,
+                       "operating_point": point}
+                result["e2e"].append(row)
+                print(json.dumps(row), flush=True)
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+# Issue 4's operating points: the paper's for OPT (MLP 0.1, heads 0.5, first layer dense) and
+# MLP 0.5 with dense attention for Llama-3-8B.
+OPERATING_POINTS = {
+    "opt-13b": {"mlp": 0.1, "attention": 0.5},
+    "opt-6.7b": {"mlp": 0.1, "attention": 0.5},
+    "llama-3-8b": {"mlp": 0.5, "attention": 1.0},
+}
+
+
+def markdown(result: dict, command: str, commit: str, date: str) -> str:
+    """A BENCHMARKS.md section for ``result``."""
+    lines = [f"## {date}: `{command}`", "",
+             f"GPU {result['gpu']}, commit `{commit}`, measured copy bandwidth "
+             f"{result['copy_gbs']:.0f} GB/s (read + write).", ""]
+    if result["kernels"]:
+        lines += ["### Kernels (fp16, batch 1; ms per call, median of CUDA-graph replays over "
+                  f"{LAYERS} weight sets)", "",
+                  "| model | block | density | k | dejavu ms (p20-p80) | GB/s | % of copy | "
+                  "cuBLAS dense ms | naive gather ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["kernels"]:
+            lines.append(
+                f"| {r['model']} | {r['block']} | {r['density']} | {r['k']} | "
+                f"{r['sparse_ms'] * 1e3:.1f} us ({r['sparse_p20'] * 1e3:.1f}-"
+                f"{r['sparse_p80'] * 1e3:.1f}) | {r['sparse_gbs']:.0f} | {r['pct_copy']:.0f}% | "
+                f"{r['dense_ms'] * 1e3:.1f} us | {r['naive_ms'] * 1e3:.1f} us |")
+        lines.append("")
+    if result["e2e"]:
+        lines += ["### End to end (fp16, batch 1, 128-token prompt, 128 new tokens, static cache)",
+                  "", "| model | mode | operating point | ms/token (p20-p80) | bytes/token | "
+                  "byte floor ms | peak GiB |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["e2e"]:
+            point = (f"MLP {r['operating_point']['mlp']}, attention "
+                     f"{r['operating_point']['attention']}" if r["mode"] == "dejavu_sparse" else "")
+            lines.append(
+                f"| {r['model']} | {r['mode']} | {point} | {r['ms_per_token']:.2f} "
+                f"({r['p20']:.2f}-{r['p80']:.2f}) | {r['bytes_per_token'] / 1e9:.2f} GB | "
+                f"{r['floor_ms']:.2f} | {r['peak_gib']:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
