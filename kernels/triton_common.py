@@ -35,8 +35,8 @@ def gather_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 8, "BLOCK_D": 32}, num_warps=1)]
     configs = []
-    for block_n in (8, 16, 32, 64):
-        for block_d in (64, 128, 256):
+    for block_n in (16, 32, 64):
+        for block_d in (128, 256):
             for warps in (4, 8):
                 configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_D": block_d},
                                              num_warps=warps))
