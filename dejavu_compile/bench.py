@@ -229,21 +229,35 @@ def random_profile(model, mlp_density: float, attention_density: float, rank: in
     return save_profile(profile, path, tensors or None)
 
 
-@torch.no_grad()
-def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
-                   warmup: int = 3) -> DecodeResult:
-    """Per-token latency of ``new`` greedy-free decode steps after a ``prompt``-token prefill,
-    with a static cache; ``forward`` is the (compiled or plain) forward to call."""
+def _static_cache(model, length: int):
     from transformers import StaticCache
 
+    return StaticCache(config=model.config, max_cache_len=length)
+
+
+def _mark_cache_static(cache) -> None:
+    """Mark the (initialised) cache tensors as static addresses, so CUDA graphs read and write
+    them in place: Inductor skips CUDA graphs for a graph that mutates other inputs."""
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                torch._dynamo.mark_static_address(value)
+
+
+@torch.no_grad()
+def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
+                   warmup: int = 2) -> DecodeResult:
+    """Per-token latency of ``new`` decode steps after a ``prompt``-token prefill (run eagerly:
+    only the decode step is compiled), with a static cache; ``forward`` is the (compiled or
+    plain) forward to call for decode steps."""
     torch.cuda.reset_peak_memory_stats()
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, prompt), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
     times = []
     for rep in range(warmup + 1):
-        cache = StaticCache(config=model.config, max_cache_len=prompt + new + 1)
-        pos = torch.arange(prompt, device="cuda")
-        forward(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True)
+        cache = _static_cache(model, prompt + new + 1)
+        model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"),
+              use_cache=True)
+        _mark_cache_static(cache)
         tok = ids[:, -1:]
         torch.cuda.synchronize()
         steps = []
@@ -273,8 +287,9 @@ def weight_bytes(model) -> int:
 
 @torch.no_grad()
 def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: int = 128,
-               rank: int = 128, workdir=None) -> list[DecodeResult]:
-    """Per-token decode latency of each mode on a random model of ``cfg``'s shape."""
+               rank: int = 128, workdir=None):
+    """Per-token decode latency of each mode on a random model of ``cfg``'s shape; yields one
+    ``DecodeResult`` per mode as soon as it is measured."""
     import tempfile
     from pathlib import Path
 
@@ -282,28 +297,26 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
 
     workdir = Path(workdir or tempfile.mkdtemp())
     model = random_model(cfg)
+    dejavu_compile.backend.register_model(model)
     dense_bytes = weight_bytes(model)
-    results = [decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes)]
+    yield decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes)
 
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    results.append(decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes))
+    yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes)
 
     for mode, mlp, att in (("dejavu_dense", 1.0, 1.0),
                            ("dejavu_sparse", operating_point["mlp"], operating_point["attention"])):
         torch._dynamo.reset()
-        path = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml")
+        profile = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml")
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={"profile": path, "cudagraphs": True})
-        dejavu_compile.backend.register_model(model)
+                            options={"profile": profile, "cudagraphs": True})
         res = decode_latency(model, fwd, prompt, new, mode, 0)
-        rep = dejavu_compile.report(model)
-        res.bytes_per_token = rep.bytes_sparse
-        results.append(res)
+        res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
+        yield res
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    return results
 
 
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,

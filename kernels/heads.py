@@ -3,7 +3,8 @@ computed for the selected heads only.
 
 A selection names heads; head ``h`` owns weight rows ``h * head_dim .. (h + 1) * head_dim - 1``
 of ``W_q`` ([H * head_dim, d]) and of the transposed output projection ``W_o_t``
-([H * head_dim, d_out]), each row contiguous. Both kernels split over the selected rows.
+([H * head_dim, d_out]), each row contiguous. Both kernels run a 2-d grid of tiles (selected
+rows x a slice of the other dimension) and add partial sums into fp32 with atomics.
 References: ``kernels/reference.py::sparse_head_proj`` and ``sparse_head_out``.
 """
 
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_dtype, gather_configs
+from .triton_common import check_dtype, tile_configs
 
 
 @triton.jit
@@ -23,7 +24,7 @@ def _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask):
     return head * HEAD_DIM + offs % HEAD_DIM
 
 
-@triton.autotune(configs=gather_configs(), key=["D", "J"])
+@triton.autotune(configs=tile_configs(), key=["D", "J"], reset_to_zero=["out_ptr"])
 @triton.jit
 def _head_proj_kernel(
     x_ptr, idx_ptr, w_ptr, b_ptr, out_ptr,
@@ -31,25 +32,23 @@ def _head_proj_kernel(
     stride_x, stride_idx, stride_w, stride_out,
     HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = tl.program_id(1)
+    pid, pid_d, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < J
     wrows = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
-                    mask=mask[:, None] & mask_d[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
+                mask=mask[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_B:
-        acc += tl.load(b_ptr + wrows, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + wrows, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        bias = tl.load(b_ptr + wrows, mask=mask & (pid_d == 0), other=0.0).to(tl.float32)
+        acc += bias
+    tl.atomic_add(out_ptr + row * stride_out + wrows, acc, mask=mask)
 
 
-@triton.autotune(configs=gather_configs(), key=["DOUT", "J"], reset_to_zero=["out_ptr"])
+@triton.autotune(configs=tile_configs(), key=["DOUT", "J"], reset_to_zero=["out_ptr"])
 @triton.jit
 def _head_out_kernel(
     a_ptr, idx_ptr, w_ptr, out_ptr,
@@ -57,19 +56,17 @@ def _head_out_kernel(
     stride_a, stride_idx, stride_w, stride_out,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row = tl.program_id(1)
+    pid, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < J
     wrows = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
     vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
-    for o0 in range(0, DOUT, BLOCK_D):
-        offs_o = o0 + tl.arange(0, BLOCK_D)
-        mask_o = offs_o < DOUT
-        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_o[None, :],
-                    mask=mask[:, None] & mask_o[None, :], other=0.0)
-        part = tl.sum(w.to(tl.float32) * vals[:, None], axis=0)
-        tl.atomic_add(out_ptr + row * stride_out + offs_o, part, mask=mask_o)
+    offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_o = offs_o < DOUT
+    w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_o[None, :],
+                mask=mask[:, None] & mask_o[None, :], other=0.0)
+    tl.atomic_add(out_ptr + row * stride_out + offs_o, tl.sum(w.to(tl.float32) * vals[:, None], 0),
+                  mask=mask_o)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -80,33 +77,26 @@ def sparse_head_proj(x, idx, w, b, head_dim: int) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_proj``: [..., d] -> [..., H * head_dim]."""
     check_dtype("sparse_head_proj", x, w, b)
     rows, sel = _rows(x), _rows(idx)
-    j = sel.shape[1] * head_dim
-    out = torch.zeros(rows.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-
-    def grid(meta):
-        return (triton.cdiv(j, meta["BLOCK_N"]), rows.shape[0])
-
-    _head_proj_kernel[grid](
+    j, d = sel.shape[1] * head_dim, rows.shape[1]
+    out = torch.zeros(rows.shape[0], w.shape[0], device=x.device, dtype=torch.float32)
+    _head_proj_kernel[lambda m: (triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]),
+                                 rows.shape[0])](
         rows, sel, w, b if b is not None else w, out,
-        rows.shape[1], j, head_dim,
+        d, j, head_dim,
         rows.stride(0), sel.stride(0), w.stride(0), out.stride(0),
         HAS_B=b is not None,
     )
-    return out.reshape(*x.shape[:-1], w.shape[0])
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d]."""
     check_dtype("sparse_head_out", attn, wo_t, b)
     rows, sel = _rows(attn), _rows(idx)
-    j = sel.shape[1] * head_dim
-    d_out = wo_t.shape[1]
+    j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     out = torch.zeros(rows.shape[0], d_out, device=attn.device, dtype=torch.float32)
-
-    def grid(meta):
-        return (triton.cdiv(j, meta["BLOCK_N"]), rows.shape[0])
-
-    _head_out_kernel[grid](
+    _head_out_kernel[lambda m: (triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d_out, m["BLOCK_D"]),
+                                rows.shape[0])](
         rows, sel, wo_t, out,
         d_out, j, head_dim,
         rows.stride(0), sel.stride(0), wo_t.stride(0), out.stride(0),
