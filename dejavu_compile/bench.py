@@ -285,9 +285,12 @@ def weight_bytes(model) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
+MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse")
+
+
 @torch.no_grad()
 def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: int = 128,
-               rank: int = 128, workdir=None):
+               rank: int = 128, workdir=None, modes=MODES):
     """Per-token decode latency of each mode on a random model of ``cfg``'s shape; yields one
     ``DecodeResult`` per mode as soon as it is measured."""
     import tempfile
@@ -299,14 +302,17 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
     model = random_model(cfg)
     dejavu_compile.backend.register_model(model)
     dense_bytes = weight_bytes(model)
-    yield decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes)
+    if "hf_eager" in modes:
+        yield decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes)
+    if "hf_compiled" in modes:
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes)
 
     for mode, mlp, att in (("dejavu_dense", 1.0, 1.0),
                            ("dejavu_sparse", operating_point["mlp"], operating_point["attention"])):
+        if mode not in modes:
+            continue
         torch._dynamo.reset()
         profile = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml")
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
@@ -320,7 +326,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
 
 
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
-        e2e: bool = True) -> dict:
+        e2e: bool = True, modes=MODES) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict."""
     if not torch.cuda.is_available():
         raise RuntimeError("dejavu bench needs a CUDA GPU")
@@ -339,7 +345,7 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                 print(json.dumps(row), flush=True)
         if e2e:
             point = OPERATING_POINTS[name]
-            for res in end_to_end(name, configs[name], point):
+            for res in end_to_end(name, configs[name], point, modes=modes):
                 row = {"model": name, "mode": res.mode, "ms_per_token": res.ms_per_token,
                        "p20": res.spread[0], "p80": res.spread[1],
                        "bytes_per_token": res.bytes_per_token,

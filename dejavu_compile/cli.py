@@ -8,6 +8,8 @@ import shlex
 import subprocess
 import sys
 
+from .bench import MODES
+
 
 def _commit() -> str:
     try:
@@ -22,7 +24,7 @@ def _bench(args) -> int:
     from . import bench
 
     result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
-                       e2e=not args.no_e2e)
+                       e2e=not args.no_e2e, modes=args.modes)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", help="append a results section to this file (BENCHMARKS.md)")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel sweep")
     p.add_argument("--no-e2e", action="store_true", help="skip end-to-end decoding")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="end-to-end modes to run")
     p.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)

@@ -1,10 +1,11 @@
 """Sparse ops of dejavu-compile: ``torch.ops.dejavu.*`` with their references and kernels.
 
-The ops' default implementation is the PyTorch reference; where Triton is installed, its
-kernels are registered for CUDA tensors (the lowering the dispatcher does by device).
+The ops' default implementation is the PyTorch reference; for CUDA tensors the Triton kernels
+(where Triton is installed) and the GPU selector are registered instead: the dispatcher lowers
+each op by device.
 """
 
-from . import ops, reference
+from . import ops, predictor, reference
 
 try:
     import triton  # noqa: F401
@@ -17,5 +18,6 @@ else:
     ops.sparse_mlp.register_kernel("cuda")(sparse_mlp.sparse_mlp)
     ops.sparse_head_proj.register_kernel("cuda")(heads.sparse_head_proj)
     ops.sparse_head_out.register_kernel("cuda")(heads.sparse_head_out)
+ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
 
 __all__ = ["HAVE_TRITON", "ops", "reference"]

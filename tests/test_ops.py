@@ -125,3 +125,14 @@ def test_op_registration_is_consistent(op, args):
     # opcheck's "test_schema" segfaults inside torch (2.13, CPU) once Inductor has compiled
     # CPU kernels earlier in the same process; the fake-tensor check is the one passes rely on.
     torch.library.opcheck(op, args(), test_utils=("test_faketensor",))
+
+
+def test_gpu_predictor_selects_the_same_set():
+    from dejavu_compile.kernels import predictor
+
+    x = _rand(3, 1, 12)
+    w1, b1, w2, b2 = _rand(5, 12, seed=1), _rand(5, seed=2), _rand(30, 5, seed=3), _rand(30, seed=4)
+    want = OPS.select_predictor(x, w1, b1, w2, b2, "relu", 4, 2)
+    got = predictor.select_predictor(x, w1, b1, w2, b2, "relu", 4, 2)
+    assert got.shape == want.shape
+    assert torch.equal(got.sort(dim=-1).values, want)
