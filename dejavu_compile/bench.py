@@ -259,12 +259,16 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
               use_cache=True)
         _mark_cache_static(cache)
         tok = ids[:, -1:]
+        # A mask over the whole static cache and explicit positions keep the decode step free of
+        # data-dependent shapes (OPT otherwise sizes its mask by the cache's filled length).
+        mask = torch.ones(1, prompt + new + 1, dtype=torch.long, device="cuda")
         torch.cuda.synchronize()
         steps = []
         for i in range(new if rep == warmup else 4):
             start = time.perf_counter()
-            out = forward(input_ids=tok, past_key_values=cache,
-                          cache_position=torch.tensor([prompt + i], device="cuda"), use_cache=True)
+            pos = torch.tensor([prompt + i], device="cuda")
+            out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
+                          position_ids=pos[None], attention_mask=mask, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             steps.append(1e3 * (time.perf_counter() - start))
