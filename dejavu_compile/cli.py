@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shlex
 import subprocess
@@ -38,9 +39,94 @@ def _bench(args) -> int:
     return 0
 
 
+def _text_ids(loaded, text_file: str | None, split: str, tokens: int):
+    from .models import documentation_text
+
+    text = open(text_file).read() if text_file else documentation_text(split)
+    ids = loaded.encode(text, tokens)
+    if ids.shape[1] < min(tokens, 256):
+        raise ValueError(f"only {ids.shape[1]} tokens of text; need at least {min(tokens, 256)}")
+    return ids
+
+
+def _calibrate(args) -> int:
+    import logging
+
+    from . import calibrate
+    from .models import load_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.lookahead:
+        raise SystemExit("dejavu calibrate: --lookahead needs the lookahead pass (issue 5), "
+                         "which this build does not have yet")
+    loaded = load_model(args.model)
+    ids = _text_ids(loaded, args.text, "calibration", args.tokens)
+    cal = calibrate.calibrate(loaded.model, ids, loaded.name, args.out,
+                              target_density=args.target_density, rank=args.rank,
+                              epochs=args.epochs, cache_dir=args.cache)
+    for layer in cal.profile.layers:
+        q = cal.quality.get(layer.index, {})
+        print(f"layer {layer.index:>2}: MLP density {layer.mlp.density:.2f}  "
+              f"recall {q.get('recall', float('nan')):.3f}  "
+              f"precision {q.get('precision', float('nan')):.3f}")
+    print(f"wrote {cal.profile.path} and {cal.uniform_profile.path}")
+    return 0
+
+
+def _eval(args) -> int:
+    from .evaluate import DEFAULT_WINDOW, evaluate_profile, plot_layers, windows
+    from .models import load_model
+    from .profile import load_profile
+
+    loaded = load_model(args.model)
+    profile = load_profile(args.profile)
+    ids = _text_ids(loaded, args.text, "held_out", DEFAULT_WINDOW * args.windows)
+    result = evaluate_profile(loaded.model, windows(ids, DEFAULT_WINDOW, args.windows), profile,
+                              progress=True)
+    result["profile"] = str(args.profile)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot_layers(result, args.plot)
+    change = 100 * (result["sparse_ppl"] / result["dense_ppl"] - 1)
+    oracle = 100 * (result["oracle_ppl"] / result["dense_ppl"] - 1)
+    print(f"{result['tokens']} held-out tokens: perplexity dense {result['dense_ppl']:.3f}, "
+          f"oracle {result['oracle_ppl']:.3f} ({oracle:+.1f}%), profile {result['sparse_ppl']:.3f} "
+          f"({change:+.1f}%); top-1 agreement {100 * result['top1_agreement']:.1f}%; MLP bytes "
+          f"{result['mlp_bytes_fraction']:.3f} of dense; bytes per token "
+          f"{result['bytes_per_token_sparse'] / 2**20:.1f} MiB, dense "
+          f"{result['bytes_per_token_dense'] / 2**20:.1f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dejavu", description="contextual sparsity for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from .calibrate import DEFAULT_EPOCHS, DEFAULT_RANK, DEFAULT_TARGET_DENSITY, DEFAULT_TOKENS
+
+    p = sub.add_parser("calibrate", help="train predictors, choose densities, write a profile")
+    p.add_argument("model", help="smollm2-135m, gemma3-270m, a .gguf file or a HF directory")
+    p.add_argument("--out", required=True, help="profile YAML to write (predictors beside it)")
+    p.add_argument("--text", help="calibration text file (default: Python docs, calibration split)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS)
+    p.add_argument("--target-density", type=float, default=DEFAULT_TARGET_DENSITY,
+                   help="MLP bytes read per token, predictors included, as a fraction of dense")
+    p.add_argument("--rank", type=int, default=DEFAULT_RANK)
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
+    p.add_argument("--cache", help="folder for recorded activations (a rerun resumes from it)")
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=False)
+    p.set_defaults(fn=_calibrate)
+
+    p = sub.add_parser("eval", help="perplexity and agreement: dense, oracle, profile")
+    p.add_argument("model")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--text", help="held-out text file (default: Python docs, held-out split)")
+    p.add_argument("--windows", type=int, default=4, help="windows of 128 tokens to decode")
+    p.add_argument("--json", help="write the results as JSON")
+    p.add_argument("--plot", help="write a PNG of per-layer density and recall")
+    p.set_defaults(fn=_eval)
 
     p = sub.add_parser("bench", help="kernel sweep and end-to-end decode latency (CUDA GPU)")
     p.add_argument("--models", nargs="+", default=["opt-13b", "llama-3-8b"])

@@ -106,25 +106,35 @@ def test_predictor_selection_is_top_k_of_its_logits():
 
 
 @pytest.mark.parametrize(
-    "op,args",
+    "name,args",
     [
-        (OPS.sparse_mlp.default, lambda: (_rand(1, 1, 8), torch.tensor([[[0, 3]]]), _rand(6, 8),
+        ("sparse_mlp", lambda: (_rand(1, 1, 8), torch.tensor([[[0, 3]]]), _rand(6, 8),
                                           _rand(6), None, _rand(6, 8), None, "relu")),
-        (OPS.select_mlp_oracle.default, lambda: (_rand(1, 1, 8), _rand(6, 8), None, _rand(6, 8),
+        ("select_mlp_oracle", lambda: (_rand(1, 1, 8), _rand(6, 8), None, _rand(6, 8),
                                                  "silu", 3)),
-        (OPS.select_heads_oracle.default, lambda: (_rand(1, 1, 8), _rand(8, 5), 2, 2, 1)),
-        (OPS.select_predictor.default, lambda: (_rand(1, 1, 8), _rand(3, 8), None, _rand(4, 3),
+        ("select_heads_oracle", lambda: (_rand(1, 1, 8), _rand(8, 5), 2, 2, 1)),
+        ("select_predictor", lambda: (_rand(1, 1, 8), _rand(3, 8), None, _rand(4, 3),
                                                 None, "none", 2, 2)),
-        (OPS.sparse_head_proj.default, lambda: (_rand(1, 1, 8), torch.tensor([[[1]]]), _rand(8, 8),
+        ("sparse_head_proj", lambda: (_rand(1, 1, 8), torch.tensor([[[1]]]), _rand(8, 8),
                                                 None, 4)),
-        (OPS.sparse_head_out.default, lambda: (_rand(1, 1, 8), torch.tensor([[[0]]]), _rand(8, 5),
+        ("sparse_head_out", lambda: (_rand(1, 1, 8), torch.tensor([[[0]]]), _rand(8, 5),
                                                _rand(5), 4)),
     ],
 )
-def test_op_registration_is_consistent(op, args):
-    # opcheck's "test_schema" segfaults inside torch (2.13, CPU) once Inductor has compiled
-    # CPU kernels earlier in the same process; the fake-tensor check is the one passes rely on.
-    torch.library.opcheck(op, args(), test_utils=("test_faketensor",))
+def test_fake_implementation_matches_real(name, args):
+    # What the passes rely on: the fake implementation gives the real output's shape and dtype.
+    # (torch.library.opcheck segfaults inside torch 2.13 on CPU once Inductor has compiled CPU
+    # kernels earlier in the same process, so the check is written out here.)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = getattr(torch.ops.dejavu, name).default
+    real_args = args()
+    want = op(*real_args)
+    mode = FakeTensorMode()
+    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in real_args]
+    with mode:
+        got = op(*fake_args)
+    assert got.shape == want.shape and got.dtype == want.dtype and got.device == want.device
 
 
 def test_gpu_predictor_selects_the_same_set():

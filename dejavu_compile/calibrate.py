@@ -1,0 +1,339 @@
+"""Calibration: record each MLP's input and activations on real text, train one low-rank
+predictor per layer, measure its recall, choose per-layer densities for a byte budget, and write
+the profile (YAML) with the predictor weights (safetensors beside it).
+
+Blocks are found by the same discovery pass the backend runs (data flow, not class names); the
+recording hooks then sit on the modules that own the discovered weights.
+
+Attention stays dense here: on SmolLM2-135M the oracle at head density 0.5 costs +74% perplexity
+(issue 3), so heads of these small models do not pay.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+from tqdm import tqdm
+
+from .profile import BlockProfile, LayerProfile, ModelIdentity, Profile, save_profile
+
+log = logging.getLogger("dejavu_compile")
+
+DEFAULT_TOKENS = 16384
+DEFAULT_RANK = 128
+DEFAULT_EPOCHS = 12
+DEFAULT_TARGET_DENSITY = 0.6  # MLP bytes read per token, predictors included, as a fraction
+TRAIN_DENSITY = 0.5  # labels: the true top half of each token's neurons
+DENSITY_STEPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+CONTEXT = 256  # tokens per calibration sequence
+LR, BATCH = 1e-2, 128
+
+
+@dataclass
+class MLPTrace:
+    """What one MLP block saw on the calibration text."""
+
+    layer: int
+    x: torch.Tensor  # [T, d] block input
+    h: torch.Tensor  # [T, N] hidden activations act(W1 x) [* W_up x]
+    first: torch.nn.Module
+    up: torch.nn.Module | None
+    down: torch.nn.Module
+    act: str
+
+
+def find_mlp_modules(model, sample: torch.Tensor) -> list[tuple[int, dict]]:
+    """Discover the MLP blocks of ``model`` from its Dynamo graph and return, per layer, the
+    modules owning the discovered weights and the activation."""
+    from dejavu_compile.passes import discover
+    from dejavu_compile.passes.context import PassContext
+
+    from .config import DejavuOptions
+
+    found = []
+
+    def backend(gm, example_inputs):
+        opts = DejavuOptions(selector="oracle")
+        names = WeakIdKeyDictionary({p: n for n, p in model.named_parameters()})
+        ctx = PassContext.build(gm, example_inputs, opts, None, {}, names)
+        discover.run(gm, ctx)
+        found.append(ctx.discovery)
+        return gm.forward
+
+    owner = {id(mod.weight): mod for mod in model.modules()
+             if isinstance(getattr(mod, "weight", None), torch.Tensor)}
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(sample)
+    torch._dynamo.reset()
+    blocks = []
+    for disc in found:
+        for layer, block in sorted(disc.mlp.items()):
+            blocks.append((layer, {
+                "first": owner[id(block.first.weight)],
+                "up": owner[id(block.up.weight)] if block.up is not None else None,
+                "down": owner[id(block.down.weight)],
+                "act": block.act,
+            }))
+    if not blocks:
+        raise ValueError("no MLP block found in the model: nothing to calibrate")
+    return blocks
+
+
+@torch.no_grad()
+def record(model, ids: torch.Tensor, cache_dir: Path | None = None,
+           progress: bool = True) -> list[MLPTrace]:
+    """Run the dense model over ``ids`` [1, T] in sequences of ``CONTEXT`` tokens and record
+    every MLP's input and hidden activations. With ``cache_dir``, recorded layers are saved and
+    a rerun resumes from them."""
+    blocks = find_mlp_modules(model, ids[:, :8])
+    traces = {layer: {"x": [], "h": []} for layer, _ in blocks}
+    cached = cache_dir is not None and all((cache_dir / f"mlp{layer}.pt").is_file()
+                                           for layer, _ in blocks)
+    if not cached:
+        handles = []
+        for layer, mods in blocks:
+            def keep_x(mod, args, layer=layer):
+                traces[layer]["x"].append(args[0].reshape(-1, args[0].shape[-1]).half())
+
+            def keep_h(mod, args, layer=layer):
+                traces[layer]["h"].append(args[0].reshape(-1, args[0].shape[-1]).half())
+
+            handles.append(mods["first"].register_forward_pre_hook(keep_x))
+            handles.append(mods["down"].register_forward_pre_hook(keep_h))
+        try:
+            chunks = range(0, ids.shape[1] - 1, CONTEXT)
+            for start in tqdm(chunks, desc="record", disable=not progress, leave=False):
+                model(ids[:, start : start + CONTEXT])
+        finally:
+            for h in handles:
+                h.remove()
+        for layer in traces:
+            traces[layer] = {k: torch.cat(v) for k, v in traces[layer].items()}
+            if cache_dir is not None:
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                torch.save(traces[layer], cache_dir / f"mlp{layer}.pt")
+    else:
+        traces = {layer: torch.load(cache_dir / f"mlp{layer}.pt") for layer, _ in blocks}
+    return [MLPTrace(layer, traces[layer]["x"], traces[layer]["h"], mods["first"], mods["up"],
+                     mods["down"], mods["act"]) for layer, mods in blocks]
+
+
+class Predictor(torch.nn.Module):
+    """d -> rank -> units, ReLU between (the profile's ``activation: relu``)."""
+
+    def __init__(self, d: int, rank: int, units: int):
+        super().__init__()
+        self.w1 = torch.nn.Linear(d, rank)
+        self.w2 = torch.nn.Linear(rank, units)
+
+    def forward(self, x):
+        return self.w2(F.relu(self.w1(x)))
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}w1": self.w1.weight.detach().clone(), f"{prefix}b1": self.w1.bias.detach().clone(),
+                f"{prefix}w2": self.w2.weight.detach().clone(), f"{prefix}b2": self.w2.bias.detach().clone()}
+
+
+def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean [T, N]: each row's ``k`` largest scores."""
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(k, dim=1).indices, True)
+
+
+def recall_at(pred_scores: torch.Tensor, true_scores: torch.Tensor, k: int) -> float:
+    """Mean fraction of the true top-k that the predicted top-k contains."""
+    hit = top_mask(pred_scores, k) & top_mask(true_scores, k)
+    return hit.sum().item() / (k * true_scores.shape[0])
+
+
+def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
+                    held_out: float = 0.1) -> tuple[Predictor, dict]:
+    """Train a predictor of the top-``TRAIN_DENSITY`` neurons of ``trace`` with a weighted binary
+    loss; keep the epoch with the best held-out recall. Returns it and its quality."""
+    torch.manual_seed(seed)
+    x, target = trace.x.float(), trace.h.float().abs()
+    n_val = max(1, int(held_out * x.shape[0]))
+    perm = torch.randperm(x.shape[0])
+    val, tr = perm[:n_val], perm[n_val:]
+    units = target.shape[1]
+    k = max(1, round(TRAIN_DENSITY * units))
+    labels = top_mask(target, k).float()
+    # Standardise inputs with calibration statistics, folded into w1/b1 after training.
+    mean, std = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
+    pred = Predictor(x.shape[1], rank, units)
+    opt = torch.optim.Adam(pred.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
+    best, best_state = -1.0, None
+    xs = (x - mean) / std
+    for _ in range(epochs):
+        pred.train()
+        for batch in tr[torch.randperm(len(tr))].split(BATCH):
+            loss = F.binary_cross_entropy_with_logits(pred(xs[batch]), labels[batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        sched.step()
+        pred.eval()
+        with torch.no_grad():
+            r = recall_at(pred(xs[val]), target[val], k)
+        if r > best:
+            best, best_state = r, {n: t.clone() for n, t in pred.state_dict().items()}
+    pred.load_state_dict(best_state)
+    with torch.no_grad():  # fold the standardisation into the first layer
+        pred.w1.bias -= (pred.w1.weight * (mean / std)).sum(1)
+        pred.w1.weight /= std
+        scores = pred(x[val])
+        k_pred = top_mask(scores, k)
+        truth = top_mask(target[val], k)
+        precision = (k_pred & truth).sum().item() / max(1, k_pred.sum().item())
+    return pred, {"recall": best, "precision": precision, "val_x": x[val], "val_h": trace.h[val]}
+
+
+def _mlp_output(trace: MLPTrace, x: torch.Tensor, h: torch.Tensor, keep: torch.Tensor | None):
+    """The block output down(h) for hidden activations ``h``, optionally masked to ``keep``."""
+    h = h.float() if keep is None else h.float() * keep
+    return trace.down(h.to(trace.down.weight.dtype)).float()
+
+
+@torch.no_grad()
+def sensitivity(trace: MLPTrace, pred: Predictor, quality: dict) -> dict[float, float]:
+    """Relative output error of the block at each density with the predictor's selection, on
+    held-out calibration tokens: ||MLP_sparse - MLP|| ^ 2 / ||MLP|| ^ 2."""
+    x, h = quality["val_x"], quality["val_h"].float()
+    dense = _mlp_output(trace, x, h, None)
+    scores = pred(x)
+    errors = {}
+    for density in DENSITY_STEPS:
+        k = max(1, round(density * h.shape[1]))
+        sparse = _mlp_output(trace, x, h, top_mask(scores, k).float())
+        errors[density] = ((sparse - dense).pow(2).sum() / dense.pow(2).sum()).item()
+    return errors
+
+
+def mlp_bytes(trace: MLPTrace) -> int:
+    mods = [m for m in (trace.first, trace.up, trace.down) if m is not None]
+    return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+
+def allocate(errors: dict[int, dict[float, float]], dense_bytes: dict[int, int],
+             predictor_bytes: dict[int, int], target: float,
+             dense_layers: tuple[int, ...] = (0,)) -> dict[int, float]:
+    """Per-layer MLP density meeting ``target`` (bytes read, predictors included, as a fraction
+    of the dense MLP bytes), greedily: repeatedly take the density step with the least added
+    output error per byte saved. A layer left at 1.0 reads no predictor."""
+    density = {layer: 1.0 for layer in errors}
+    total = sum(dense_bytes.values())
+
+    def cost(layer, d):
+        return dense_bytes[layer] if d >= 1.0 else d * dense_bytes[layer] + predictor_bytes[layer]
+
+    def spent():
+        return sum(cost(layer, d) for layer, d in density.items()) / total
+
+    while spent() > target:
+        best, choice = math.inf, None
+        for layer, d in density.items():
+            if layer in dense_layers:
+                continue
+            steps = [s for s in DENSITY_STEPS if s < d]
+            if not steps:
+                continue
+            nxt = steps[0]
+            saved = cost(layer, d) - cost(layer, nxt)
+            if saved <= 0:
+                # leaving 1.0 costs the predictor: look two steps ahead
+                if len(steps) < 2:
+                    continue
+                nxt = steps[1]
+                saved = cost(layer, d) - cost(layer, nxt)
+            added = errors[layer][nxt] - errors[layer].get(d, 0.0)
+            if added / saved < best:
+                best, choice = added / saved, (layer, nxt)
+        if choice is None:
+            raise ValueError(f"target density {target} cannot be met with densities down to "
+                             f"{DENSITY_STEPS[-1]}")
+        density[choice[0]] = choice[1]
+    return density
+
+
+def uniform(errors: dict, dense_bytes: dict, predictor_bytes: dict, target: float,
+            dense_layers: tuple[int, ...] = (0,)) -> dict[int, float]:
+    """The same byte budget spread uniformly over the sparse layers (the baseline to beat)."""
+    total = sum(dense_bytes.values())
+    fixed = sum(dense_bytes[layer] for layer in dense_layers if layer in dense_bytes)
+    rest = [layer for layer in errors if layer not in dense_layers]
+    left = target * total - fixed - sum(predictor_bytes[layer] for layer in rest)
+    d = left / sum(dense_bytes[layer] for layer in rest)
+    if not 0 < d <= 1:
+        raise ValueError(f"target {target} leaves uniform density {d:.3f}")
+    return {layer: (1.0 if layer in dense_layers else round(d, 4)) for layer in errors}
+
+
+def identity(model, name: str) -> ModelIdentity:
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    return ModelIdentity(
+        name=name, model_type=cfg.model_type, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        intermediate_size=getattr(cfg, "intermediate_size", None) or cfg.ffn_dim,
+        num_heads=heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+
+
+@dataclass
+class Calibration:
+    profile: Profile
+    uniform_profile: Profile
+    predictors: dict[str, torch.Tensor]
+    quality: dict[int, dict]
+
+
+def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
+              target_density: float = DEFAULT_TARGET_DENSITY, rank: int = DEFAULT_RANK,
+              epochs: int = DEFAULT_EPOCHS, cache_dir: str | Path | None = None,
+              progress: bool = True) -> Calibration:
+    """Calibrate ``model`` on token ids [1, T]; write ``out`` (YAML) and its predictor file, and
+    ``out``'s ``-uniform`` twin (same predictors, the same bytes spread uniformly)."""
+    out = Path(out)
+    traces = record(model, ids, Path(cache_dir) if cache_dir else None, progress)
+    predictors, quality, errors, dense_b, pred_b = {}, {}, {}, {}, {}
+    for trace in tqdm(traces, desc="train", disable=not progress, leave=False):
+        pred, q = train_predictor(trace, rank, epochs)
+        errors[trace.layer] = sensitivity(trace, pred, q)
+        predictors.update(pred.tensors(f"layers.{trace.layer}.mlp."))
+        dense_b[trace.layer] = mlp_bytes(trace)
+        esize = trace.first.weight.element_size()
+        pred_b[trace.layer] = sum(p.numel() for p in pred.parameters()) * esize
+        quality[trace.layer] = {"recall": q["recall"], "precision": q["precision"],
+                                "errors": errors[trace.layer]}
+        log.info("layer %d: recall %.3f precision %.3f", trace.layer, q["recall"], q["precision"])
+    ident = identity(model, name)
+
+    def build(densities: dict[int, float], path: Path) -> Profile:
+        layers = []
+        for layer in range(ident.num_layers):
+            d = densities.get(layer, 1.0)
+            mlp = BlockProfile()
+            if d < 1.0:
+                mlp = BlockProfile(selector="predictor", density=d, units=ident.intermediate_size,
+                                   rank=rank, activation="relu",
+                                   recall=quality[layer]["recall"],
+                                   precision=quality[layer]["precision"])
+            layers.append(LayerProfile(index=layer, mlp=mlp))
+        used = {k: v for k, v in predictors.items()
+                if densities.get(int(k.split(".")[1]), 1.0) < 1.0}
+        prof = Profile(model=ident, layers=tuple(layers),
+                       predictor_file=f"{path.stem}.safetensors" if used else None)
+        return save_profile(prof, path, used or None)
+
+    adaptive = build(allocate(errors, dense_b, pred_b, target_density), out)
+    flat = build(uniform(errors, dense_b, pred_b, target_density),
+                 out.with_name(f"{out.stem}-uniform{out.suffix}"))
+    return Calibration(adaptive, flat, predictors, quality)
+

@@ -1,0 +1,69 @@
+"""Calibration on tiny models: end to end in seconds, planted patterns, allocation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dejavu_compile
+from dejavu_compile import calibrate as cal
+from dejavu_compile import load_profile
+
+from .conftest import VOCAB, prompt
+from .test_backend import _decode_logits
+
+
+def test_calibration_end_to_end(tiny, tmp_path):
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    result = cal.calibrate(model, ids, "tiny-llama", tmp_path / "tiny.yaml", target_density=0.9,
+                           rank=8, epochs=2, cache_dir=tmp_path / "cache", progress=False)
+    assert sorted(result.quality) == [0, 1]
+    assert all(0 <= q["recall"] <= 1 for q in result.quality.values())
+    loaded = load_profile(tmp_path / "tiny.yaml")
+    assert loaded.to_dict() == result.profile.to_dict()
+    assert (tmp_path / "cache" / "mlp1.pt").is_file()
+    uniform = load_profile(tmp_path / "tiny-uniform.yaml")
+    assert uniform.layer(0).mlp.selector == "dense"
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu",
+                                     options={"profile": str(tmp_path / "tiny.yaml")}), prompt())
+    rep = dejavu_compile.report(model)
+    sparse = [r.layer for r in rep.layers if r.mlp.selector == "predictor"]
+    assert sparse == [r.index for r in loaded.layers if r.mlp.selector == "predictor"]
+    # A rerun resumes from the recorded activations (the model is not run again).
+    again = cal.record(model, ids, tmp_path / "cache", progress=False)
+    assert torch.equal(again[1].x, cal.record(model, ids, None, progress=False)[1].x)
+
+
+def test_predictor_recovers_a_planted_pattern():
+    gen = torch.Generator().manual_seed(0)
+    d, n, tokens = 32, 64, 4096
+    mixing = torch.randn(n, 4, generator=gen) @ torch.randn(4, d, generator=gen)  # rank 4
+    x = torch.randn(tokens, d, generator=gen)
+    # Activations ranked by a rank-4 projection of the input (no ties): learnable exactly.
+    h = torch.exp(0.3 * x @ mixing.t())
+    down = torch.nn.Linear(n, d)
+    trace = cal.MLPTrace(0, x.half(), h.half(), torch.nn.Linear(d, n), None, down, "relu")
+    pred, quality = cal.train_predictor(trace, rank=8, epochs=8)
+    assert quality["recall"] >= 0.9, quality["recall"]
+    # A random ranking scores about the density itself.
+    random_recall = cal.recall_at(torch.randn(tokens, n, generator=gen), h.float(), n // 2)
+    assert random_recall < 0.6
+
+
+def test_allocation_meets_the_budget_and_prefers_insensitive_layers():
+    steps = cal.DENSITY_STEPS
+    errors = {0: {s: 0.0 for s in steps}, 1: {s: 1.0 - s for s in steps},
+              2: {s: 0.1 * (1.0 - s) for s in steps}}
+    dense = {0: 100, 1: 100, 2: 100}
+    pred = {0: 5, 1: 5, 2: 5}
+    chosen = cal.allocate(errors, dense, pred, target=0.8)
+    assert chosen[0] == 1.0  # the first layer stays dense
+    spent = sum(dense[i] if d == 1.0 else d * dense[i] + pred[i] for i, d in chosen.items())
+    assert spent <= 0.8 * 300
+    assert chosen[2] < chosen[1], chosen  # the less sensitive layer gives up more
+    flat = cal.uniform(errors, dense, pred, target=0.8)
+    assert flat[0] == 1.0 and flat[1] == flat[2]
+    with pytest.raises(ValueError, match="cannot be met"):
+        cal.allocate(errors, dense, pred, target=0.1)
