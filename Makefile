@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: install
-	$(PY) examples/quickstart.py
+	$(PY) examples/demo.py
 
 test: install
 	$(PY) -m pytest -q tests

@@ -137,8 +137,10 @@ class Predictor(torch.nn.Module):
         return self.w2(F.relu(self.w1(x)))
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}w1": self.w1.weight.detach().clone(), f"{prefix}b1": self.w1.bias.detach().clone(),
-                f"{prefix}w2": self.w2.weight.detach().clone(), f"{prefix}b2": self.w2.bias.detach().clone()}
+        """The weights as the profile stores them: fp16, which keeps shipped profiles small
+        (the backend casts them to the model's dtype)."""
+        named = {"w1": self.w1.weight, "b1": self.w1.bias, "w2": self.w2.weight, "b2": self.w2.bias}
+        return {prefix + k: v.detach().half() for k, v in named.items()}
 
 
 def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -202,18 +204,19 @@ def _mlp_output(trace: MLPTrace, x: torch.Tensor, h: torch.Tensor, keep: torch.T
 
 
 @torch.no_grad()
-def sensitivity(trace: MLPTrace, pred: Predictor, quality: dict) -> dict[float, float]:
-    """Relative output error of the block at each density with the predictor's selection, on
-    held-out calibration tokens: ||MLP_sparse - MLP|| ^ 2 / ||MLP|| ^ 2."""
+def sensitivity(trace: MLPTrace, pred: Predictor, quality: dict) -> dict[float, dict]:
+    """Per density, on held-out calibration tokens with the predictor's selection: the block's
+    relative output error ||MLP_sparse - MLP|| ^ 2 / ||MLP|| ^ 2 and the recall of the true top-k."""
     x, h = quality["val_x"], quality["val_h"].float()
     dense = _mlp_output(trace, x, h, None)
     scores = pred(x)
-    errors = {}
+    out = {}
     for density in DENSITY_STEPS:
         k = max(1, round(density * h.shape[1]))
         sparse = _mlp_output(trace, x, h, top_mask(scores, k).float())
-        errors[density] = ((sparse - dense).pow(2).sum() / dense.pow(2).sum()).item()
-    return errors
+        out[density] = {"error": ((sparse - dense).pow(2).sum() / dense.pow(2).sum()).item(),
+                        "recall": recall_at(scores, h.abs(), k)}
+    return out
 
 
 def mlp_bytes(trace: MLPTrace) -> int:
@@ -305,13 +308,14 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     predictors, quality, errors, dense_b, pred_b = {}, {}, {}, {}, {}
     for trace in tqdm(traces, desc="train", disable=not progress, leave=False):
         pred, q = train_predictor(trace, rank, epochs)
-        errors[trace.layer] = sensitivity(trace, pred, q)
+        per_density = sensitivity(trace, pred, q)
+        errors[trace.layer] = {d: v["error"] for d, v in per_density.items()}
         predictors.update(pred.tensors(f"layers.{trace.layer}.mlp."))
         dense_b[trace.layer] = mlp_bytes(trace)
         esize = trace.first.weight.element_size()
         pred_b[trace.layer] = sum(p.numel() for p in pred.parameters()) * esize
         quality[trace.layer] = {"recall": q["recall"], "precision": q["precision"],
-                                "errors": errors[trace.layer]}
+                                "by_density": per_density}
         log.info("layer %d: recall %.3f precision %.3f", trace.layer, q["recall"], q["precision"])
     ident = identity(model, name)
 
@@ -321,9 +325,13 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             d = densities.get(layer, 1.0)
             mlp = BlockProfile()
             if d < 1.0:
+                # Recall of the true top-k at the chosen density; with predicted and true sets of
+                # the same size k, precision equals recall, so it is stored only for training's k.
+                # (The uniform twin's densities fall between the measured steps: no recall.)
+                measured = quality[layer]["by_density"].get(d)
                 mlp = BlockProfile(selector="predictor", density=d, units=ident.intermediate_size,
                                    rank=rank, activation="relu",
-                                   recall=quality[layer]["recall"],
+                                   recall=measured["recall"] if measured else None,
                                    precision=quality[layer]["precision"])
             layers.append(LayerProfile(index=layer, mlp=mlp))
         used = {k: v for k, v in predictors.items()
