@@ -67,3 +67,23 @@ def test_allocation_meets_the_budget_and_prefers_insensitive_layers():
     assert flat[0] == 1.0 and flat[1] == flat[2]
     with pytest.raises(ValueError, match="cannot be met"):
         cal.allocate(errors, dense, pred, target=0.1)
+
+
+def test_evaluate_profile_reports_the_eval_keys(tiny, tmp_path):
+    from dejavu_compile.evaluate import evaluate_profile, plot_layers, windows
+
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    result = cal.calibrate(model, ids, "tiny-llama", tmp_path / "tiny.yaml", target_density=0.9,
+                           rank=8, epochs=1, progress=False)
+    chunks = windows(ids[:, :96], 32, 3)
+    out = evaluate_profile(model, chunks, result.profile, prefix=8)
+    for key in ("dense_ppl", "sparse_ppl", "oracle_ppl", "top1_agreement",
+                "bytes_per_token_dense", "bytes_per_token_sparse"):
+        assert key in out
+    assert out["tokens"] == 3 * 24
+    assert out["bytes_per_token_sparse"] < out["bytes_per_token_dense"]
+    assert 0 < out["mlp_bytes_fraction"] < 1.0
+    assert 0.0 <= out["top1_agreement"] <= 1.0
+    plot_layers(out, tmp_path / "layers.png")
+    assert (tmp_path / "layers.png").stat().st_size > 1000
