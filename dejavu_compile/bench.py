@@ -202,20 +202,13 @@ def random_profile(model, mlp_density: float, attention_density: float, rank: in
     Densities of 1.0 leave that block dense (no selector): the dense pipeline."""
     from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile, save_profile
 
-    cfg = model.config
-    inter = getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
-    heads = cfg.num_attention_heads
-    ident = ModelIdentity(
-        name=f"random-{cfg.model_type}", model_type=cfg.model_type, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers, intermediate_size=inter, num_heads=heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", heads),
-        head_dim=cfg.hidden_size // heads)
+    ident = ModelIdentity.from_config(model.config, f"random-{model.config.model_type}")
     tensors, layers = {}, []
     gen = torch.Generator().manual_seed(0)
     for i in range(ident.num_layers):
         blocks = {}
-        for kind, units, density in (("mlp", inter, mlp_density),
-                                     ("attention", heads, attention_density)):
+        for kind, units, density in (("mlp", ident.intermediate_size, mlp_density),
+                                     ("attention", ident.num_heads, attention_density)):
             if i == 0 or density >= 1.0:
                 blocks[kind] = BlockProfile()
                 continue

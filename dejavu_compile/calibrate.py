@@ -278,17 +278,6 @@ def uniform(errors: dict, dense_bytes: dict, predictor_bytes: dict, target: floa
     return {layer: (1.0 if layer in dense_layers else round(d, 4)) for layer in errors}
 
 
-def identity(model, name: str) -> ModelIdentity:
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    return ModelIdentity(
-        name=name, model_type=cfg.model_type, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers,
-        intermediate_size=getattr(cfg, "intermediate_size", None) or cfg.ffn_dim,
-        num_heads=heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-
-
 @dataclass
 class Calibration:
     profile: Profile
@@ -317,7 +306,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
         quality[trace.layer] = {"recall": q["recall"], "precision": q["precision"],
                                 "by_density": per_density}
         log.info("layer %d: recall %.3f precision %.3f", trace.layer, q["recall"], q["precision"])
-    ident = identity(model, name)
+    ident = ModelIdentity.from_config(model.config, name)
 
     def build(densities: dict[int, float], path: Path) -> Profile:
         layers = []

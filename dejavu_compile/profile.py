@@ -85,6 +85,17 @@ class ModelIdentity:
     num_kv_heads: int
     head_dim: int
 
+    @classmethod
+    def from_config(cls, config, name: str) -> ModelIdentity:
+        """The identity of a Hugging Face model from its config (OPT's ``ffn_dim`` included)."""
+        heads = config.num_attention_heads
+        return cls(
+            name=name, model_type=config.model_type, hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            intermediate_size=getattr(config, "intermediate_size", None) or config.ffn_dim,
+            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
+
 
 @dataclass(frozen=True)
 class BlockProfile:

@@ -55,7 +55,6 @@ class PassContext:
     discovery: Any = None
     plan: dict = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
-    notes: list[str] = field(default_factory=list)
     constants: int = 0
     # parameter -> its name in the user's model, for models registered by the API (lets graphs
     # split by Dynamo know their layer numbers); empty for a plain torch.compile call

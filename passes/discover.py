@@ -87,7 +87,6 @@ class Discovery:
     mlp: dict[int, MLPBlock] = field(default_factory=dict)
     attention: dict[int, AttentionBlock] = field(default_factory=dict)
     unmatched: list[str] = field(default_factory=list)  # "name: reason", left dense
-    other_linears: list[Linear] = field(default_factory=list)
     tokens: int | None = None  # new tokens per sequence, see ``count_new_tokens``
     named_layers: bool = True  # layer numbers from weight names (False: from graph order only)
 
@@ -323,12 +322,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             disc.mlp[layer] = MLPBlock(layer=layer, **found)
     for node in gm.graph.nodes:
         if is_linear(node) and node not in claimed:
-            lin = ctx.linear(node, gm)
             weight = node.args[1]
             name = parameter_name(weight, ctx) if isinstance(weight, fx.Node) else node.name
             disc.unmatched.append(f"{name}: not part of a matched attention or MLP block")
-            if lin is not None:
-                disc.other_linears.append(lin)
     disc.unmatched.extend(failures)
     disc.tokens = disc.count_new_tokens()
     ctx.discovery = disc

@@ -16,13 +16,7 @@ from .test_backend import FP32, _capture, _decode_logits, _dejavu_nodes
 
 
 def _identity(model, name="tiny") -> ModelIdentity:
-    cfg = model.config
-    return ModelIdentity(
-        name=name, model_type=cfg.model_type, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers, intermediate_size=cfg.intermediate_size,
-        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-    )
+    return ModelIdentity.from_config(model.config, name)
 
 
 def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=True):
