@@ -50,16 +50,20 @@ def _dejavu_nodes(gm) -> list[str]:
             if n.op == "call_function" and getattr(n.target, "namespace", None) == "dejavu"]
 
 
+def assert_compiled_equals_eager(model, options: dict, ids=None) -> None:
+    """Decode with the eager model, then with the dejavu-compiled one; the logits must agree."""
+    ids = prompt() if ids is None else ids
+    with torch.no_grad():
+        want = _decode_logits(model, ids)
+        got = _decode_logits(torch.compile(model, backend="dejavu", options=options), ids)
+    torch.testing.assert_close(got, want, **FP32)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_density_one_equals_eager(tiny, arch):
     model = tiny(arch)
-    ids = prompt()
-    with torch.no_grad():
-        want = _decode_logits(model, ids)
-        compiled = torch.compile(model, backend="dejavu", options={
-            "selector": "oracle", "mlp_density": 1.0, "attention_density": 1.0})
-        got = _decode_logits(compiled, ids)
-    torch.testing.assert_close(got, want, **FP32)
+    assert_compiled_equals_eager(
+        model, {"selector": "oracle", "mlp_density": 1.0, "attention_density": 1.0})
     rep = dejavu_compile.report(model)
     assert [r.layer for r in rep.layers] == [0, 1]
     assert all(r.mlp.selector == "oracle" and r.attention.selector == "oracle" for r in rep.layers)

@@ -12,7 +12,7 @@ from dejavu_compile.backend import register_model
 from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile
 
 from .conftest import prompt
-from .test_backend import FP32, _capture, _decode_logits, _dejavu_nodes
+from .test_backend import FP32, _capture, _decode_logits, _dejavu_nodes, assert_compiled_equals_eager
 
 
 def _identity(model, name="tiny") -> ModelIdentity:
@@ -171,13 +171,8 @@ def test_bad_options_are_clear(options, message):
 def test_unmatched_attention_stays_dense_and_is_reported(tiny):
     model = tiny("llama")
     model.config._attn_implementation = "eager"  # softmax(QK^T)V in plain ops: no SDPA node
-    ids = prompt()
-    with torch.no_grad():
-        want = _decode_logits(model, ids)
-        compiled = torch.compile(model, backend="dejavu", options={
-            "selector": "oracle", "mlp_density": 1.0, "attention_density": 0.5})
-        got = _decode_logits(compiled, ids)
-    torch.testing.assert_close(got, want, **FP32)
+    assert_compiled_equals_eager(
+        model, {"selector": "oracle", "mlp_density": 1.0, "attention_density": 0.5})
     rep = dejavu_compile.report(model)
     assert all(r.attention is None and r.mlp.selector == "oracle" for r in rep.layers)
     assert any("self_attn.q_proj.weight" in u for u in rep.unmatched)
