@@ -222,12 +222,6 @@ def random_profile(model, mlp_density: float, attention_density: float, rank: in
     return save_profile(profile, path, tensors or None)
 
 
-def _static_cache(model, length: int):
-    from transformers import StaticCache
-
-    return StaticCache(config=model.config, max_cache_len=length)
-
-
 def _mark_cache_static(cache) -> None:
     """Mark the (initialised) cache tensors as static addresses, so CUDA graphs read and write
     them in place: Inductor skips CUDA graphs for a graph that mutates other inputs."""
@@ -243,11 +237,13 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     """Per-token latency of ``new`` decode steps after a ``prompt``-token prefill (run eagerly:
     only the decode step is compiled), with a static cache; ``forward`` is the (compiled or
     plain) forward to call for decode steps."""
+    from transformers import StaticCache
+
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
     times = []
     for rep in range(warmup + 1):
-        cache = _static_cache(model, prompt + new + 1)
+        cache = StaticCache(config=model.config, max_cache_len=prompt + new + 1)
         model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"),
               use_cache=True)
         _mark_cache_static(cache)

@@ -198,27 +198,13 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
     return pred, {"recall": best, "precision": precision, "val_x": x[val], "val_h": trace.h[val]}
 
 
-def _mlp_output(trace: MLPTrace, x: torch.Tensor, h: torch.Tensor, keep: torch.Tensor | None):
-    """The block output down(h) for hidden activations ``h``, optionally masked to ``keep``."""
-    h = h.float() if keep is None else h.float() * keep
-    return trace.down(h.to(trace.down.weight.dtype)).float()
-
-
 @torch.no_grad()
-def sensitivity(trace: MLPTrace, pred: Predictor, quality: dict) -> dict[float, dict]:
-    """Per density, on held-out calibration tokens with the predictor's selection: the block's
-    relative output error ||MLP_sparse - MLP|| ^ 2 / ||MLP|| ^ 2 and the recall of the true top-k
-    (reported; allocation uses ``loss_sensitivity``)."""
-    x, h = quality["val_x"], quality["val_h"].float()
-    dense = _mlp_output(trace, x, h, None)
-    scores = pred(x)
-    out = {}
-    for density in DENSITY_STEPS:
-        k = max(1, round(density * h.shape[1]))
-        sparse = _mlp_output(trace, x, h, top_mask(scores, k).float())
-        out[density] = {"error": ((sparse - dense).pow(2).sum() / dense.pow(2).sum()).item(),
-                        "recall": recall_at(scores, h.abs(), k)}
-    return out
+def recall_by_density(pred: Predictor, quality: dict) -> dict[float, float]:
+    """Recall of the true top-k by the predictor's top-k at each density step, on the held-out
+    calibration tokens of ``train_predictor``."""
+    h = quality["val_h"].float().abs()
+    scores = pred(quality["val_x"])
+    return {d: recall_at(scores, h, max(1, round(d * h.shape[1]))) for d in DENSITY_STEPS}
 
 
 @torch.no_grad()
@@ -338,13 +324,13 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     for trace in tqdm(traces, desc="train", disable=not progress, leave=False):
         pred, q = train_predictor(trace, rank, epochs)
         trained[trace.layer] = pred
-        per_density = sensitivity(trace, pred, q)
+        recalls = recall_by_density(pred, q)
         predictors.update(pred.tensors(f"layers.{trace.layer}.mlp."))
         dense_b[trace.layer] = mlp_bytes(trace)
         esize = trace.first.weight.element_size()
         pred_b[trace.layer] = sum(p.numel() for p in pred.parameters()) * esize
         quality[trace.layer] = {"recall": q["recall"], "precision": q["precision"],
-                                "by_density": per_density}
+                                "recall_by_density": recalls}
         log.info("layer %d: recall %.3f precision %.3f", trace.layer, q["recall"], q["precision"])
     # Allocation spends the budget where the measured loss grows least per byte saved (the
     # block's own relative output error was tried first: it pushed the last layers of
@@ -363,10 +349,9 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 # Recall of the true top-k at the chosen density; with predicted and true sets of
                 # the same size k, precision equals recall, so it is stored only for training's k.
                 # (The uniform twin's densities fall between the measured steps: no recall.)
-                measured = quality[layer]["by_density"].get(d)
                 mlp = BlockProfile(selector="predictor", density=d, units=ident.intermediate_size,
                                    rank=rank, activation="relu",
-                                   recall=measured["recall"] if measured else None,
+                                   recall=quality[layer]["recall_by_density"].get(d),
                                    precision=quality[layer]["precision"])
             layers.append(LayerProfile(index=layer, mlp=mlp))
         used = {k: v for k, v in predictors.items()
