@@ -9,6 +9,7 @@ from dejavu_compile import kernels  # noqa: F401  (registers torch.ops.dejavu.*)
 
 from .backend import compile, dejavu_backend, report, transform
 from .config import DejavuOptions
+from .inspection import export
 from .profile import Profile, ProfileError, load_profile, save_profile
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "ProfileError",
     "compile",
     "dejavu_backend",
+    "export",
     "load_profile",
     "report",
     "save_profile",

@@ -3,8 +3,11 @@ rewritten graph to the inner compiler (Inductor by default)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +26,8 @@ _REPORTS: list[GraphReport] = []
 _LOCK = threading.Lock()
 # parameter -> its name in the model, filled by ``register_model`` (see PassContext.param_names)
 _PARAM_NAMES = WeakIdKeyDictionary()
+_DUMPED = itertools.count()  # numbers the graphs written to a dump folder
+DUMP_ENV = "DEJAVU_DUMP_DIR"
 
 
 def register_model(model: torch.nn.Module) -> None:
@@ -44,9 +49,21 @@ def transform(gm: fx.GraphModule, example_inputs, options: DejavuOptions) -> Pas
     profile = _resolve_profile(options.profile)
     predictors = load_predictors(profile) if profile is not None else {}
     ctx = PassContext.build(gm, example_inputs, options, profile, predictors, _PARAM_NAMES)
-    for _, run in PIPELINE:
+    dump = options.dump_dir or os.environ.get(DUMP_ENV)
+    number = next(_DUMPED) if dump else 0
+    if dump:
+        _dump(Path(dump), number, 0, "input", gm)
+    for step, (name, run) in enumerate(PIPELINE, start=1):
         gm = run(gm, ctx)
+        if dump:
+            _dump(Path(dump), number, step, name, gm)
     return ctx
+
+
+def _dump(folder: Path, number: int, step: int, name: str, gm: fx.GraphModule) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+    (folder / f"graph{number:03d}_{step}_{name}.py").write_text(text)
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs, opts: DejavuOptions):

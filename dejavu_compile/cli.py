@@ -100,6 +100,22 @@ def _eval(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from .inspection import export
+    from .models import load_model
+
+    loaded = load_model(args.model)
+    options = {"profile": args.profile} if args.profile else {
+        "selector": "oracle", "mlp_density": args.mlp_density,
+        "attention_density": args.attention_density}
+    if args.lookahead is not None:
+        options["lookahead"] = args.lookahead
+    paths = export(loaded.model, args.out, onnx=not args.no_onnx, **options)
+    for path in paths.values():
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dejavu", description="contextual sparsity for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of per-layer density and recall")
     p.set_defaults(fn=_eval)
+
+    p = sub.add_parser("export", help="write the transformed decode graph: code, SVG, ONNX, report")
+    p.add_argument("model")
+    p.add_argument("--profile", help="profile YAML (else the oracle at the densities below)")
+    p.add_argument("--mlp-density", type=float, default=0.5)
+    p.add_argument("--attention-density", type=float, default=None)
+    p.add_argument("--out", required=True, help="folder to write graph.py, graph.svg, ...")
+    p.add_argument("--no-onnx", action="store_true", help="skip graph.onnx")
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=None)
+    p.set_defaults(fn=_export)
 
     p = sub.add_parser("bench", help="kernel sweep and end-to-end decode latency (CUDA GPU)")
     p.add_argument("--models", nargs="+", default=["opt-13b", "llama-3-8b"])

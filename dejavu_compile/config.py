@@ -42,6 +42,9 @@ class DejavuOptions:
     inner: the compiler that receives the rewritten graph, ``"inductor"`` or ``"eager"``.
     cudagraphs: capture the compiled decode step in CUDA graphs (Inductor's, as with
         ``mode="reduce-overhead"``; ``torch.compile`` takes no ``mode`` beside ``options``).
+    dump_dir: a folder that receives each graph before and after every pass, as readable
+        Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
+        variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
     """
 
     version: int = 1
@@ -53,6 +56,7 @@ class DejavuOptions:
     dense_layers: tuple[int, ...] = ()
     inner: str = DEFAULT_INNER
     cudagraphs: bool = False
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.version != 1:

@@ -194,6 +194,13 @@ def _call(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
     return node
 
 
+def _tag(layer: int, plan: BlockPlan, *nodes: fx.Node) -> None:
+    """Record on each inserted node which block it serves (read by export and lookahead)."""
+    for node in nodes:
+        node.meta["dejavu"] = {"layer": layer, "block": plan.kind, "selector": plan.selector,
+                               "density": plan.density, "k": plan.k, "units": plan.units}
+
+
 def _erase_dead(graph: fx.Graph, nodes) -> None:
     pending = set(nodes)
     changed = True
@@ -221,6 +228,7 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
                         w1, b1, w2, b2, plan.activation, plan.k, 1)
         out = _call(graph, fake_mode, OPS.sparse_mlp.default, block.input, idx,
                     first.weight_node, first.bias_node, up_w, w2_t, down.bias_node, block.act)
+    _tag(block.layer, plan, idx, out)
     down.node.replace_all_uses_with(out)
     _erase_dead(graph, [down.node, *block.chain])
     ctx.counters.add(f"sparse_mlp[{plan.selector}]")
@@ -236,6 +244,7 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
                         w1, b1, w2, b2, plan.activation, plan.k, plan.group)
             q_new = _call(graph, fake_mode, OPS.sparse_head_proj.default, block.input, idx,
                           q.weight_node, q.bias_node, hd)
+        _tag(block.layer, plan, idx, q_new)
         q.node.replace_all_uses_with(q_new)
         graph.erase_node(q.node)
     with graph.inserting_before(o.node):
@@ -245,6 +254,7 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
                         plan.k, plan.group)
         o_new = _call(graph, fake_mode, OPS.sparse_head_out.default, o.input, idx, wo_t,
                       o.bias_node, hd)
+    _tag(block.layer, plan, idx, o_new)
     o.node.replace_all_uses_with(o_new)
     graph.erase_node(o.node)
     ctx.counters.add(f"sparse_attention[{plan.selector}]")

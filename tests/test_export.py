@@ -1,0 +1,96 @@
+"""Inspection: graph.py, graph.svg, graph.onnx and report.yaml from ``dejavu_compile.export``,
+and the per-pass dump folder."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import onnx
+import pytest
+import torch
+import yaml
+
+import dejavu_compile
+from dejavu_compile.inspection import ONNX_DOMAIN
+
+from .conftest import prompt
+from .test_profiles_and_generate import _random_predictor_profile
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_export_files_are_valid(tiny, arch, tmp_path):
+    model = tiny(arch)
+    path, _ = _random_predictor_profile(model, tmp_path)
+    paths = dejavu_compile.export(model, tmp_path / "out", profile=str(path))
+    report = yaml.safe_load(paths["report.yaml"].read_text())
+    layers = report["layers"]
+    sparse = {kind: [r["layer"] for r in layers if r[kind]["selector"] != "dense"]
+              for kind in ("mlp", "attention")}
+    assert sparse == {"mlp": [1], "attention": [1]}  # layer 0 dense in this profile
+    assert layers[1]["mlp"]["recall"] == 0.5 and layers[1]["mlp"]["input"] == "same"
+
+    proto = onnx.load(str(paths["graph.onnx"]))
+    onnx.checker.check_model(proto)
+    custom = [n for n in proto.graph.node if n.domain == ONNX_DOMAIN]
+    by_type = {}
+    for node in custom:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        by_type.setdefault(node.op_type, []).append(attrs)
+        assert {"layer", "density", "k", "block", "selector"} <= set(attrs)
+    # one sparse op per sparsified block (plus its selector), named by layer and density
+    assert [a["layer"] for a in by_type["SparseMlp"]] == sparse["mlp"]
+    assert [a["layer"] for a in by_type["SparseHeadOut"]] == sparse["attention"]
+    assert by_type["SparseMlp"][0]["density"] == pytest.approx(0.5)
+    assert by_type["SparseMlp"][0]["k"] == layers[1]["mlp"]["units"] // 2
+    standard = {n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")}
+    assert {"MatMul", "Softmax", "Gather"} <= standard  # the dense parts stay standard ONNX
+
+    svg = ET.parse(paths["graph.svg"]).getroot()
+    text = " ".join(t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text"))
+    for i in range(model.config.num_hidden_layers):
+        assert f"layer {i} attention" in text and f"layer {i} mlp" in text
+    assert "predictor" in text
+
+    source = paths["graph.py"].read_text()
+    compile(source, "graph.py", "exec")
+    assert "torch.ops.dejavu.sparse_mlp" in source
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_report_bytes_add_up_to_parameters_at_density_one(tiny, arch, tmp_path):
+    model = tiny(arch)
+    paths = dejavu_compile.export(model, tmp_path, onnx=False, selector="oracle",
+                                  mlp_density=1.0, attention_density=1.0)
+    report = yaml.safe_load(paths["report.yaml"].read_text())
+    blocks = [r[kind] for r in report["layers"] for kind in ("mlp", "attention")]
+    assert report["other_bytes"] + sum(b["dense_bytes"] for b in blocks) == _param_bytes(model)
+    assert report["bytes_per_token_dense"] == _param_bytes(model)
+    for b in blocks:
+        assert b["selector"] == "oracle" and b["kept"] == 1.0
+        assert b["sparse_bytes"] == b["dense_bytes"]
+
+
+def test_dump_dir_holds_each_pass(tiny, tmp_path, monkeypatch):
+    model = tiny("llama")
+    dumped = tmp_path / "by-option"
+    compiled = torch.compile(model, backend="dejavu", options={
+        "selector": "oracle", "mlp_density": 0.5, "inner": "eager", "dump_dir": str(dumped)})
+    with torch.no_grad():
+        compiled(prompt())
+    names = sorted(p.name for p in dumped.iterdir())
+    assert [n.split("_", 1)[1] for n in names] == ["0_input.py", "1_discover.py",
+                                                   "2_sparsify.py", "3_lower.py"]
+    for p in dumped.iterdir():
+        compile(p.read_text(), p.name, "exec")
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("DEJAVU_DUMP_DIR", str(tmp_path / "by-env"))
+    compiled = torch.compile(model, backend="dejavu", options={
+        "selector": "oracle", "mlp_density": 0.5, "inner": "eager"})
+    with torch.no_grad():
+        compiled(prompt())
+    assert len(list((tmp_path / "by-env").iterdir())) == 4
