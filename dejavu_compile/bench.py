@@ -196,10 +196,12 @@ def random_model(cfg, dtype=torch.float16):
     return model.eval()
 
 
-def random_profile(model, mlp_density: float, attention_density: float, rank: int, path):
+def random_profile(model, mlp_density: float, attention_density: float, rank: int, path,
+                   lookahead: bool = False):
     """A profile with random predictors (speed does not depend on their values); layer 0 dense.
 
-    Densities of 1.0 leave that block dense (no selector): the dense pipeline."""
+    Densities of 1.0 leave that block dense (no selector): the dense pipeline. With
+    ``lookahead``, each predictor reads the previous layer's input."""
     from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile, save_profile
 
     ident = ModelIdentity.from_config(model.config, f"random-{model.config.model_type}")
@@ -215,7 +217,8 @@ def random_profile(model, mlp_density: float, attention_density: float, rank: in
             tensors[f"layers.{i}.{kind}.w1"] = torch.randn(rank, ident.hidden_size, generator=gen)
             tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
             blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
-                                        rank=rank, activation="relu")
+                                        rank=rank, activation="relu",
+                                        input="previous" if lookahead else "same")
         layers.append(LayerProfile(index=i, **blocks))
     profile = Profile(model=ident, layers=tuple(layers),
                       predictor_file=f"{path.stem}.safetensors" if tensors else None)
@@ -278,7 +281,16 @@ def weight_bytes(model) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
-MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse")
+MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
+         "dejavu_fixed")
+# dejavu modes: (MLP density, attention density) from the operating point or dense, the
+# predictors' input (lookahead or not) and the selector option
+_DEJAVU_MODES = {
+    "dejavu_dense": (False, False, None),
+    "dejavu_sparse": (True, False, None),  # predictors inline, on their own input
+    "dejavu_lookahead": (True, True, None),  # predictors one layer ahead, on a side stream
+    "dejavu_fixed": (True, False, "fixed"),  # fixed indices: no predictor at all
+}
 
 
 @torch.no_grad()
@@ -302,14 +314,17 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
         compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes)
 
-    for mode, mlp, att in (("dejavu_dense", 1.0, 1.0),
-                           ("dejavu_sparse", operating_point["mlp"], operating_point["attention"])):
+    for mode, (sparse, ahead, selector) in _DEJAVU_MODES.items():
         if mode not in modes:
             continue
+        mlp, att = (operating_point["mlp"], operating_point["attention"]) if sparse else (1.0, 1.0)
         torch._dynamo.reset()
-        profile = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml")
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={"profile": profile, "cudagraphs": True})
+        profile = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml",
+                                 lookahead=ahead)
+        options = {"profile": profile, "cudagraphs": True}
+        if selector:
+            options["selector"] = selector
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         res = decode_latency(model, fwd, prompt, new, mode, 0)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
         yield res
@@ -385,7 +400,8 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                   "byte floor ms | peak GiB |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in result["e2e"]:
             point = (f"MLP {r['operating_point']['mlp']}, attention "
-                     f"{r['operating_point']['attention']}" if r["mode"] == "dejavu_sparse" else "")
+                     f"{r['operating_point']['attention']}"
+                     if r["mode"] in ("dejavu_sparse", "dejavu_lookahead", "dejavu_fixed") else "")
             lines.append(
                 f"| {r['model']} | {r['mode']} | {point} | {r['ms_per_token']:.2f} "
                 f"({r['p20']:.2f}-{r['p80']:.2f}) | {r['bytes_per_token'] / 1e9:.2f} GB | "

@@ -11,6 +11,7 @@ Attention stays dense here: on SmolLM2-135M the oracle at head density 0.5 costs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -209,10 +210,14 @@ def recall_by_density(pred: Predictor, quality: dict) -> dict[float, float]:
 
 @torch.no_grad()
 def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predictor],
-                     ids: torch.Tensor, progress: bool = True) -> dict[int, dict[float, float]]:
+                     ids: torch.Tensor, progress: bool = True,
+                     sources: dict[int, torch.nn.Module] | None = None,
+                     ) -> dict[int, dict[float, float]]:
     """Measured sensitivity: the increase of the model's mean next-token loss on ``ids`` [1, T]
     when one layer's MLP keeps only its predictor's top-k neurons (every other layer dense),
-    per layer and density step. One forward pass per (layer, density)."""
+    per layer and density step. One forward pass per (layer, density). ``sources`` names, per
+    layer, the module whose input the predictor reads (default: the layer's first projection;
+    with lookahead, the previous layer's)."""
 
     def loss() -> float:
         return model(ids, labels=ids).loss.item()
@@ -235,7 +240,8 @@ def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predic
                 keep = top_mask(scores, k).reshape(h.shape).to(h.dtype)
                 return (h * keep,)
 
-            handles = [trace.first.register_forward_pre_hook(keep_x),
+            source = (sources or {}).get(trace.layer, trace.first)
+            handles = [source.register_forward_pre_hook(keep_x),
                        trace.down.register_forward_pre_hook(mask_h)]
             try:
                 out[trace.layer][density] = loss() - base
@@ -315,14 +321,25 @@ class Calibration:
 def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
               target_density: float = DEFAULT_TARGET_DENSITY, rank: int = DEFAULT_RANK,
               epochs: int = DEFAULT_EPOCHS, cache_dir: str | Path | None = None,
-              progress: bool = True) -> Calibration:
+              lookahead: bool = False, progress: bool = True) -> Calibration:
     """Calibrate ``model`` on token ids [1, T]; write ``out`` (YAML) and its predictor file, and
-    ``out``'s ``-uniform`` twin (same predictors, the same bytes spread uniformly)."""
+    ``out``'s ``-uniform`` twin (same predictors, the same bytes spread uniformly).
+
+    With ``lookahead``, the predictor of each layer after the first is trained on the previous
+    layer's MLP input (paper section 4.3) and the profile says ``input: previous``; the first
+    layer's reads its own input."""
     out = Path(out)
     traces = record(model, ids, Path(cache_dir) if cache_dir else None, progress)
+    # the trace each predictor reads its input from
+    inputs = {t.layer: t for t in traces}
+    if lookahead:
+        for prev, trace in zip(traces, traces[1:], strict=False):
+            if prev.layer == trace.layer - 1:
+                inputs[trace.layer] = prev
+    sources = {layer: t.first for layer, t in inputs.items()}
     predictors, quality, trained, dense_b, pred_b = {}, {}, {}, {}, {}
     for trace in tqdm(traces, desc="train", disable=not progress, leave=False):
-        pred, q = train_predictor(trace, rank, epochs)
+        pred, q = train_predictor(dataclasses.replace(trace, x=inputs[trace.layer].x), rank, epochs)
         trained[trace.layer] = pred
         recalls = recall_by_density(pred, q)
         predictors.update(pred.tensors(f"layers.{trace.layer}.mlp."))
@@ -335,7 +352,8 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     # Allocation spends the budget where the measured loss grows least per byte saved (the
     # block's own relative output error was tried first: it pushed the last layers of
     # SmolLM2-135M to density 0.3 and lost to the uniform spread, +33.5% vs +14.0% perplexity).
-    errors = loss_sensitivity(model, traces, trained, ids[:, :SENSITIVITY_TOKENS], progress)
+    errors = loss_sensitivity(model, traces, trained, ids[:, :SENSITIVITY_TOKENS], progress,
+                              sources)
     for layer, deltas in errors.items():
         quality[layer]["loss_increase"] = deltas
     ident = ModelIdentity.from_config(model.config, name)
@@ -349,8 +367,10 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 # Recall of the true top-k at the chosen density; with predicted and true sets of
                 # the same size k, precision equals recall, so it is stored only for training's k.
                 # (The uniform twin's densities fall between the measured steps: no recall.)
+                ahead = inputs[layer].layer != layer
                 mlp = BlockProfile(selector="predictor", density=d, units=ident.intermediate_size,
                                    rank=rank, activation="relu",
+                                   input="previous" if ahead else "same",
                                    recall=quality[layer]["recall_by_density"].get(d),
                                    precision=quality[layer]["precision"])
             layers.append(LayerProfile(index=layer, mlp=mlp))

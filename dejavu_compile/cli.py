@@ -56,14 +56,12 @@ def _calibrate(args) -> int:
     from .models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.lookahead:
-        raise SystemExit("dejavu calibrate: --lookahead needs the lookahead pass (issue 5), "
-                         "which this build does not have yet")
     loaded = load_model(args.model)
     ids = _text_ids(loaded, args.text, "calibration", args.tokens)
     cal = calibrate.calibrate(loaded.model, ids, loaded.name, args.out,
                               target_density=args.target_density, rank=args.rank,
-                              epochs=args.epochs, cache_dir=args.cache)
+                              epochs=args.epochs, cache_dir=args.cache,
+                              lookahead=args.lookahead)
     for layer in cal.profile.layers:
         q = cal.quality.get(layer.index, {})
         print(f"layer {layer.index:>2}: MLP density {layer.mlp.density:.2f}  "

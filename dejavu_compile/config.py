@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SELECTORS = ("oracle", "predictor")
+SELECTORS = ("oracle", "predictor", "fixed")
 GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -31,9 +31,11 @@ class DejavuOptions:
     profile: a profile YAML path or a loaded ``Profile``; it fixes the selector and per-layer
         densities. Without one, ``selector`` must be ``"oracle"`` and the densities below apply
         to every matched layer.
-    selector: ``"oracle"`` (true top-k from the dense computation, a quality ceiling) or
-        ``"predictor"`` (needs a profile with predictor weights). With a profile, ``"oracle"``
-        replaces its predictors by the oracle at the profile's densities.
+    selector: ``"oracle"`` (true top-k from the dense computation, a quality ceiling),
+        ``"predictor"`` (needs a profile with predictor weights) or ``"fixed"`` (the first k
+        units every token: no selection at all, to time the sparse ops alone; its outputs are
+        not meant to be good). With a profile, ``"oracle"`` or ``"fixed"`` replaces its
+        predictors at the profile's densities.
     mlp_density / attention_density: fraction of MLP neurons / attention heads kept per decoded
         token when no profile is given; ``None`` leaves that block dense.
     attention_granularity: ``"head"`` (query heads) or ``"group"`` (whole KV groups of
@@ -42,6 +44,10 @@ class DejavuOptions:
     inner: the compiler that receives the rewritten graph, ``"inductor"`` or ``"eager"``.
     cudagraphs: capture the compiled decode step in CUDA graphs (Inductor's, as with
         ``mode="reduce-overhead"``; ``torch.compile`` takes no ``mode`` beside ``options``).
+    lookahead: ``None`` runs each predictor on the input its profile says it was trained on
+        (``input: previous`` is the lookahead of paper section 4.3: layer l's predictor reads
+        layer l-1's input and runs while layer l-1 computes, on a CUDA side stream); ``True``
+        or ``False`` also require every predictor of the profile to be trained that way.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -56,6 +62,7 @@ class DejavuOptions:
     dense_layers: tuple[int, ...] = ()
     inner: str = DEFAULT_INNER
     cudagraphs: bool = False
+    lookahead: bool | None = None
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +90,9 @@ class DejavuOptions:
                 )
             if self.selector == "predictor":
                 raise ValueError("selector 'predictor' needs a profile with predictor weights")
+            if self.lookahead:
+                raise ValueError("option 'lookahead' needs a profile whose predictors were "
+                                 "calibrated with lookahead (dejavu calibrate --lookahead)")
         elif self.mlp_density is not None or self.attention_density is not None:
             raise ValueError(
                 "give either a profile or mlp_density/attention_density, not both: "

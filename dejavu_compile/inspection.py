@@ -116,11 +116,7 @@ def block_graph(c: Captured) -> nx.DiGraph:
     g.add_node("head", label="norm + LM head", kind="io", layer=None)
     g.add_edge(prev, "head", kind="residual")
 
-    disc = c.ctx.discovery
-    inputs = {}
-    for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention)):
-        for layer, block in blocks.items():
-            inputs[block.input] = (layer, kind)
+    inputs = {node: key for key, node in c.ctx.inputs.items()}
     for node in _dejavu_nodes(c.gm):
         meta = node.meta.get("dejavu", {})
         if node.target is not torch.ops.dejavu.select_predictor.default or not meta:

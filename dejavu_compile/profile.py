@@ -166,6 +166,13 @@ class Profile:
                 f"profile: 'layers' must list each index 0..{self.model.num_layers - 1} once, "
                 f"got {seen}"
             )
+        first = min(seen, default=0)
+        for kind in BLOCK_KINDS if seen else ():
+            if self.layer(first).block(kind).input == "previous":
+                raise ProfileError(
+                    f"profile: layer {first}, {kind} field 'input' is 'previous' but layer "
+                    f"{first} is the first: there is no earlier input (use 'same' or dense)"
+                )
         uses_predictor = any(
             layer.block(kind).selector == "predictor" for layer in self.layers for kind in BLOCK_KINDS
         )

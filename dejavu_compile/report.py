@@ -194,6 +194,8 @@ def _mlp_row(ctx, block, plan) -> BlockRow:
         selector = block.first.nbytes() + (_weights(block.up) if block.up is not None else 0)
     elif plan.selector == "predictor":
         selector = _predictor_bytes(ctx, block.layer, "mlp")
+    elif plan.selector == "fixed":
+        selector = 0
     else:
         sparse, selector = dense, 0
     return BlockRow("mlp", plan.selector, frac, plan.k, plan.units, dense, sparse, selector,
@@ -210,9 +212,10 @@ def _attention_row(ctx, block, plan) -> BlockRow:
         # reads the whole output projection to score heads.
         sparse = block.q.nbytes() + kv + o_part
         selector = _weights(block.o)
-    elif plan.selector == "predictor":
+    elif plan.selector in ("predictor", "fixed"):
         sparse = round(frac * block.q.nbytes()) + kv + o_part
-        selector = _predictor_bytes(ctx, block.layer, "attention")
+        selector = (_predictor_bytes(ctx, block.layer, "attention")
+                    if plan.selector == "predictor" else 0)
     else:
         sparse, selector = dense, 0
     return BlockRow("attention", plan.selector, frac, plan.k * plan.group,

@@ -5,19 +5,23 @@ The ops' default implementation is the PyTorch reference; for CUDA tensors the T
 each op by device.
 """
 
-from . import ops, predictor, reference
+from . import lookahead, ops, predictor, reference
 
 try:
     import triton  # noqa: F401
 except ImportError:  # CPU-only installs run the reference everywhere
     HAVE_TRITON = False
+    _mlp, _head_proj = reference.sparse_mlp, reference.sparse_head_proj
 else:
     HAVE_TRITON = True
     from . import heads, sparse_mlp
 
-    ops.sparse_mlp.register_kernel("cuda")(sparse_mlp.sparse_mlp)
-    ops.sparse_head_proj.register_kernel("cuda")(heads.sparse_head_proj)
+    _mlp, _head_proj = sparse_mlp.sparse_mlp, heads.sparse_head_proj
     ops.sparse_head_out.register_kernel("cuda")(heads.sparse_head_out)
+# On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
+ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 8))
+ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 5))
 ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
+ops.predict_ahead.register_kernel("cuda")(lookahead.predict_ahead)
 
 __all__ = ["HAVE_TRITON", "ops", "reference"]

@@ -73,6 +73,35 @@ def _(x, w1, b1, w2, b2, act, k, group):
     return _ids_like(x, k * group)
 
 
+@torch.library.custom_op(f"{_LIB}::predict_ahead", mutates_args=())
+def predict_ahead(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: str,
+    k: int,
+    group: int,
+    slot: int,
+) -> torch.Tensor:
+    """``select_predictor`` launched ahead (lookahead pass): on CUDA it runs on a side stream
+    and records event ``slot``, which the block's first sparse op waits on; on CPU it runs in
+    plain order."""
+    return ref.select_predictor(x, w1, b1, w2, b2, act, k, group)
+
+
+@predict_ahead.register_fake
+def _(x, w1, b1, w2, b2, act, k, group, slot):
+    return _ids_like(x, k * group)
+
+
+# ``keep`` and ``slot`` of the two ops below are set by the lookahead pass on the block's first
+# sparse op: on CUDA the op waits for the predictor's event ``slot`` before it starts, and
+# ``keep`` (the earlier layer's input the predictor read on the side stream) stays alive until
+# then, so its memory is not reused while the side stream still reads it.
+
+
 @torch.library.custom_op(f"{_LIB}::sparse_mlp", mutates_args=())
 def sparse_mlp(
     x: torch.Tensor,
@@ -83,26 +112,34 @@ def sparse_mlp(
     w2_t: torch.Tensor,
     b2: torch.Tensor | None,
     act: str,
+    keep: torch.Tensor | None = None,
+    slot: int = -1,
 ) -> torch.Tensor:
     """MLP over the selected neurons: act(x W1[idx]^T (+b1)) [* x W_up[idx]^T] @ W2_t[idx] (+b2)."""
     return ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
 
 
 @sparse_mlp.register_fake
-def _(x, idx, w1, b1, w_up, w2_t, b2, act):
+def _(x, idx, w1, b1, w_up, w2_t, b2, act, keep=None, slot=-1):
     return x.new_empty(*x.shape[:-1], w2_t.shape[1])
 
 
 @torch.library.custom_op(f"{_LIB}::sparse_head_proj", mutates_args=())
 def sparse_head_proj(
-    x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, head_dim: int
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    head_dim: int,
+    keep: torch.Tensor | None = None,
+    slot: int = -1,
 ) -> torch.Tensor:
     """Query projection for the selected heads; the other heads' outputs are zero."""
     return ref.sparse_head_proj(x, idx, w, b, head_dim)
 
 
 @sparse_head_proj.register_fake
-def _(x, idx, w, b, head_dim):
+def _(x, idx, w, b, head_dim, keep=None, slot=-1):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
@@ -123,5 +160,5 @@ def _(attn, idx, wo_t, b, head_dim):
     return attn.new_empty(*attn.shape[:-1], wo_t.shape[1])
 
 
-SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor)
+SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor, predict_ahead)
 SPARSE_OPS = (sparse_mlp, sparse_head_proj, sparse_head_out)

@@ -54,6 +54,9 @@ class PassContext:
     values: dict[fx.Node, Any] = field(default_factory=dict)
     discovery: Any = None
     plan: dict = field(default_factory=dict)
+    # (layer, kind) -> the node each block reads (its input), kept by sparsify before the
+    # block's own nodes are erased
+    inputs: dict = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
     constants: int = 0
     # parameter -> its name in the user's model, for models registered by the API (lets graphs

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from dejavu_compile.profile import BlockProfile, ProfileError
 
-from .context import PassContext, add_constant, fake_mode_of, set_val
+from .context import PassContext, add_constant, fake_mode_of, fake_value, set_val
 
 OPS = torch.ops.dejavu
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -41,6 +41,7 @@ class BlockPlan:
     k: int = 0  # units kept per token
     group: int = 1  # heads per unit (attention at KV-group granularity)
     activation: str = "none"  # predictor hidden activation
+    input: str = "same"  # the predictor's input: its block's, or the previous layer's (lookahead)
     reason: str = ""  # why a block stays dense
 
     @property
@@ -120,8 +121,8 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                 density = opts.mlp_density if kind == "mlp" else opts.attention_density
                 spec = BlockProfile(selector="oracle", density=density) if density else BlockProfile()
             selector = spec.selector
-            if selector == "predictor" and opts.selector == "oracle":
-                selector = "oracle"
+            if selector != "dense" and opts.selector in ("oracle", "fixed"):
+                selector = opts.selector
             reason = ""
             if selector == "dense":
                 reason = "dense by profile" if prof is not None else "no density given"
@@ -137,11 +138,6 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                     f"profile: layer {layer}, {kind} predictor has units={spec.units} but the "
                     f"model's block has {units} ({granularity} granularity)"
                 )
-            if selector == "predictor" and spec.input != "same":
-                raise ProfileError(
-                    f"profile: layer {layer}, {kind} predictor reads input={spec.input!r}, which "
-                    "needs the lookahead pass; this build runs predictors on their own input"
-                )
             plan[(layer, kind)] = BlockPlan(
                 kind=kind,
                 selector=selector,
@@ -151,6 +147,7 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                 group=group if kind == "attention" else 1,
                 activation=spec.activation,
                 reason=reason,
+                input=spec.input if selector == "predictor" else "same",
             )
     return plan
 
@@ -188,6 +185,16 @@ def _predictor_nodes(gm, ctx, layer: int, kind: str, block, fake_mode) -> list[f
     return nodes
 
 
+def _fixed_ids(gm, ctx, x: fx.Node, plan: BlockPlan, name: str, fake_mode) -> fx.Node:
+    """The ``fixed`` selector: units 0..k-1 for every row (times the KV group, as heads)."""
+    from dejavu_compile.kernels.reference import expand_groups
+
+    rows = tuple(fake_value(x).shape[:-1])
+    ids = expand_groups(torch.arange(plan.k).unsqueeze(0), plan.group)[0]
+    ids = ids.to(fake_value(x).device).expand(*rows, ids.numel()).contiguous()
+    return add_constant(gm, ctx, name, ids, fake_mode)
+
+
 def _call(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
     node = graph.call_function(target, args)
     set_val(node, fake_mode)
@@ -222,6 +229,8 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
         if plan.selector == "oracle":
             idx = _call(graph, fake_mode, OPS.select_mlp_oracle.default, block.input,
                         first.weight_node, first.bias_node, up_w, block.act, plan.k)
+        elif plan.selector == "fixed":
+            idx = _fixed_ids(gm, ctx, block.input, plan, f"L{block.layer}_mlp_fixed", fake_mode)
         else:
             w1, b1, w2, b2 = _predictor_nodes(gm, ctx, block.layer, "mlp", block, fake_mode)
             idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
@@ -237,11 +246,16 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
 def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
     graph = gm.graph
     q, o, hd = block.q, block.o, block.head_dim
-    if plan.selector == "predictor":
+    if plan.selector in ("predictor", "fixed"):
         with graph.inserting_before(q.node):
-            w1, b1, w2, b2 = _predictor_nodes(gm, ctx, block.layer, "attention", block, fake_mode)
-            idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
-                        w1, b1, w2, b2, plan.activation, plan.k, plan.group)
+            if plan.selector == "fixed":
+                idx = _fixed_ids(gm, ctx, block.input, plan, f"L{block.layer}_attention_fixed",
+                                 fake_mode)
+            else:
+                w1, b1, w2, b2 = _predictor_nodes(gm, ctx, block.layer, "attention", block,
+                                                  fake_mode)
+                idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
+                            w1, b1, w2, b2, plan.activation, plan.k, plan.group)
             q_new = _call(graph, fake_mode, OPS.sparse_head_proj.default, block.input, idx,
                           q.weight_node, q.bias_node, hd)
         _tag(block.layer, plan, idx, q_new)
@@ -264,6 +278,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.plan = make_plan(ctx)
     fake_mode = fake_mode_of(gm)
     disc = ctx.discovery
+    for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention)):
+        ctx.inputs.update({(layer, kind): block.input for layer, block in blocks.items()})
     for (layer, kind), plan in sorted(ctx.plan.items()):
         if plan.selector == "dense":
             continue

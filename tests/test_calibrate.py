@@ -36,6 +36,19 @@ def test_calibration_end_to_end(tiny, tmp_path):
     assert torch.equal(again[1].x, cal.record(model, ids, None, progress=False)[1].x)
 
 
+def test_calibration_with_lookahead(tiny, tmp_path):
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    result = cal.calibrate(model, ids, "tiny-llama", tmp_path / "ahead.yaml", target_density=0.9,
+                           rank=8, epochs=2, lookahead=True, progress=False)
+    layer = result.profile.layer(1).mlp
+    assert layer.selector == "predictor" and layer.input == "previous"
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu", options={
+            "profile": str(tmp_path / "ahead.yaml"), "lookahead": True}), prompt())
+    assert dejavu_compile.report(model).counters["lookahead[mlp]"] >= 1
+
+
 def test_predictor_recovers_a_planted_pattern():
     gen = torch.Generator().manual_seed(0)
     d, n, tokens = 32, 64, 4096

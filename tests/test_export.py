@@ -83,7 +83,7 @@ def test_dump_dir_holds_each_pass(tiny, tmp_path, monkeypatch):
         compiled(prompt())
     names = sorted(p.name for p in dumped.iterdir())
     assert [n.split("_", 1)[1] for n in names] == ["0_input.py", "1_discover.py",
-                                                   "2_sparsify.py", "3_lower.py"]
+                                                   "2_sparsify.py", "3_lookahead.py", "4_lower.py"]
     for p in dumped.iterdir():
         compile(p.read_text(), p.name, "exec")
 
@@ -93,4 +93,4 @@ def test_dump_dir_holds_each_pass(tiny, tmp_path, monkeypatch):
         "selector": "oracle", "mlp_density": 0.5, "inner": "eager"})
     with torch.no_grad():
         compiled(prompt())
-    assert len(list((tmp_path / "by-env").iterdir())) == 4
+    assert len(list((tmp_path / "by-env").iterdir())) == 5

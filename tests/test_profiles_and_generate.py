@@ -19,7 +19,10 @@ def _identity(model, name="tiny") -> ModelIdentity:
     return ModelIdentity.from_config(model.config, name)
 
 
-def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=True):
+def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=True,
+                              lookahead=False):
+    """Random predictors for every block (layer 0 dense unless ``dense_first`` is False); with
+    ``lookahead``, layers after the first read the previous layer's input."""
     ident = _identity(model)
     gen = torch.Generator().manual_seed(3)
     tensors, layers = {}, []
@@ -33,7 +36,8 @@ def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=
             tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
             tensors[f"layers.{i}.{kind}.b2"] = torch.randn(units, generator=gen)
             blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
-                                        rank=rank, activation="relu", recall=0.5)
+                                        rank=rank, activation="relu", recall=0.5,
+                                        input="previous" if lookahead and i > 0 else "same")
         layers.append(LayerProfile(index=i, **blocks))
     profile = Profile(model=ident, layers=tuple(layers), predictor_file="tiny.safetensors")
     path = tmp_path / "tiny.yaml"
@@ -41,9 +45,10 @@ def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=
     return path, tensors
 
 
-def _predictor_reference_hooks(model, tensors, density):
+def _predictor_reference_hooks(model, tensors, density, dense_first=True, lookahead=False):
     """Eager hooks doing what a predictor profile means: per decoded token, the predictor's
-    top-k heads (queries and output projection) and neurons (down projection input)."""
+    top-k heads (queries and output projection) and neurons (down projection input), predicted
+    from the block's input or, with ``lookahead``, from the previous layer's (layer 0: its own)."""
     from dejavu_compile.kernels.reference import topk_indices
 
     def predict(x, layer, kind, units):
@@ -55,31 +60,40 @@ def _predictor_reference_hooks(model, tensors, density):
     handles, state = [], {}
     heads = model.config.num_attention_heads
     hd = model.model.layers[0].self_attn.head_dim
+    skip = 0 if dense_first else None
+
+    def source(layer, kind):
+        return (layer - 1 if lookahead and layer > 0 else layer, kind)
+
     for layer, block in enumerate(model.model.layers):
         attn = block.self_attn
 
+        def q_pre(mod, args, layer=layer):
+            state[(layer, "attention")] = args[0]
+
         def q_hook(mod, args, out, layer=layer):
-            if layer == 0:
+            if layer == skip:
                 return None
-            mask = predict(args[0], layer, "attention", heads)
+            mask = predict(state[source(layer, "attention")], layer, "attention", heads)
             state[layer] = mask
             return out * mask.repeat_interleave(hd, dim=-1)
 
         def o_hook(mod, args, layer=layer):
-            if layer == 0:
+            if layer == skip:
                 return None
             return (args[0] * state[layer].repeat_interleave(hd, dim=-1),)
 
         def down_hook(mod, args, layer=layer):
-            if layer == 0:
+            if layer == skip:
                 return None
-            mask = predict(state[(layer, "x")], layer, "mlp", args[0].shape[-1])
+            mask = predict(state[source(layer, "mlp")], layer, "mlp", args[0].shape[-1])
             return (args[0] * mask,)
 
         def up_hook(mod, args, layer=layer):
-            state[(layer, "x")] = args[0]
+            state[(layer, "mlp")] = args[0]
 
-        handles += [attn.q_proj.register_forward_hook(q_hook),
+        handles += [attn.q_proj.register_forward_pre_hook(q_pre),
+                    attn.q_proj.register_forward_hook(q_hook),
                     attn.o_proj.register_forward_pre_hook(o_hook),
                     block.mlp.up_proj.register_forward_pre_hook(up_hook),
                     block.mlp.down_proj.register_forward_pre_hook(down_hook)]

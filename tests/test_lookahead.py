@@ -1,0 +1,100 @@
+"""The lookahead pass: predictors read the previous layer's input, scheduled right after it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dejavu_compile
+from dejavu_compile import ProfileError, load_profile
+from dejavu_compile.profile import BlockProfile, LayerProfile, Profile
+
+from .conftest import prompt
+from .test_backend import FP32, _capture, _decode_logits
+from .test_profiles_and_generate import _predictor_reference_hooks, _random_predictor_profile
+
+OPS = torch.ops.dejavu
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_predictors_read_the_previous_layers_input(tiny, arch, tmp_path):
+    model = tiny(arch)
+    path, _ = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    backend, graphs = _capture({"profile": str(path)})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
+    gm, ctx = graphs[-1]
+    inputs = ctx.inputs
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    preds = {(n.meta["dejavu"]["layer"], n.meta["dejavu"]["block"]): n
+             for n in gm.graph.nodes if n.target is OPS.select_predictor.default}
+    assert set(preds) == {(0, "mlp"), (0, "attention"), (1, "mlp"), (1, "attention")}
+    # layer 0 (no earlier input) predicts from its own input, layer 1 from layer 0's
+    assert preds[(0, "mlp")].args[0] is inputs[(0, "mlp")]
+    assert preds[(1, "mlp")].args[0] is inputs[(0, "mlp")]
+    assert preds[(1, "attention")].args[0] is inputs[(0, "attention")]
+    # scheduled ahead: before the previous layer's block computes
+    sparse_mlp = [n for n in gm.graph.nodes if n.target is OPS.sparse_mlp.default]
+    assert order[preds[(1, "mlp")]] < order[sparse_mlp[0]]
+    head_proj = [n for n in gm.graph.nodes if n.target is OPS.sparse_head_proj.default]
+    assert order[preds[(1, "attention")]] < order[head_proj[0]]
+    assert ctx.counters.values == {**ctx.counters.values, "lookahead[mlp]": 1,
+                                   "lookahead[attention]": 1}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lookahead_matches_sequential_reference(tiny, arch, tmp_path):
+    model = tiny(arch)
+    path, tensors = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    ids = prompt()
+    with torch.no_grad():
+        handles = []
+        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
+            _predictor_reference_hooks(model, tensors, 0.5, dense_first=False, lookahead=True)))
+        for h in handles:
+            h.remove()
+        got = _decode_logits(torch.compile(model, backend="dejavu",
+                                           options={"profile": str(path)}), ids)
+    torch.testing.assert_close(got, want, **FP32)
+    assert dejavu_compile.report(model).counters["lookahead[mlp]"] >= 1
+
+
+def test_lookahead_option_mismatch_is_refused(tiny, tmp_path):
+    model = tiny("llama")
+    same, _ = _random_predictor_profile(model, tmp_path)
+    compiled = torch.compile(model, backend="dejavu",
+                             options={"profile": str(same), "lookahead": True})
+    # Dynamo wraps errors raised by a backend; the message is the profile error's
+    with pytest.raises(Exception, match="layer 1 .*own input.*--lookahead"):
+        _decode_logits(compiled, prompt(), steps=1)
+
+    torch._dynamo.reset()
+    ahead, _ = _random_predictor_profile(model, tmp_path / "ahead", lookahead=True)
+    compiled = torch.compile(model, backend="dejavu",
+                             options={"profile": str(ahead), "lookahead": False})
+    with pytest.raises(Exception, match="layer 1 .*layer 0's input"):
+        _decode_logits(compiled, prompt(), steps=1)
+
+
+def test_first_layer_cannot_look_ahead(tiny, tmp_path):
+    model = tiny("llama")
+    path, _ = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    prof = load_profile(path)
+    first = prof.layers[0]
+    bad = LayerProfile(index=0, mlp=BlockProfile(**{**first.mlp.__dict__, "input": "previous"}))
+    with pytest.raises(ProfileError, match="layer 0, mlp field 'input' is 'previous'"):
+        Profile(model=prof.model, layers=(bad, *prof.layers[1:]),
+                predictor_file=prof.predictor_file)
+
+
+def test_fixed_selector_reads_first_units(tiny):
+    model = tiny("llama")
+    backend, graphs = _capture({"selector": "fixed", "mlp_density": 0.5, "attention_density": 0.5})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
+    gm, ctx = graphs[-1]
+    mlp = [n for n in gm.graph.nodes if n.target is OPS.sparse_mlp.default]
+    ids = getattr(gm, mlp[0].args[1].target)
+    assert ids.tolist() == [[list(range(48))]]
+    assert not [n for n in gm.graph.nodes if n.target in (OPS.select_mlp_oracle.default,
+                                                          OPS.select_predictor.default)]
