@@ -26,6 +26,8 @@ import torch
 import torch.fx as fx
 import yaml
 
+from dejavu_compile.passes.lookahead import is_op
+
 from .backend import register_model, transform
 from .config import DejavuOptions
 from .report import CompileReport, GraphReport, build_graph_report
@@ -119,7 +121,7 @@ def block_graph(c: Captured) -> nx.DiGraph:
     inputs = {node: key for key, node in c.ctx.inputs.items()}
     for node in _dejavu_nodes(c.gm):
         meta = node.meta.get("dejavu", {})
-        if node.target is not torch.ops.dejavu.select_predictor.default or not meta:
+        if not (is_op(node, "select_predictor") or is_op(node, "predict_ahead")) or not meta:
             continue
         layer, kind = meta["layer"], meta["block"]
         pred = f"L{layer}.{kind}.predictor"

@@ -25,7 +25,14 @@ from .context import PassContext, fake_mode_of, fake_value, set_val
 
 OPS = torch.ops.dejavu
 # the op of each block kind that first uses the selection, and where its keep/slot go
-FIRST_CONSUMER = {"mlp": (OPS.sparse_mlp.default, 8), "attention": (OPS.sparse_head_proj.default, 5)}
+FIRST_CONSUMER = {"mlp": ("sparse_mlp", 8), "attention": ("sparse_head_proj", 5)}
+
+
+def is_op(node: fx.Node, name: str) -> bool:
+    """Whether ``node`` calls ``torch.ops.dejavu.<name>`` (by schema name: OpOverload objects
+    looked up at import time are not always the ones a later lookup returns)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.name == f"dejavu::{name}"
 
 
 def _check_option(ctx: PassContext, layer: int, kind: str, source: str) -> None:
@@ -45,9 +52,14 @@ def _check_option(ctx: PassContext, layer: int, kind: str, source: str) -> None:
         )
 
 
+def uses_side_stream(x: fx.Node) -> bool:
+    """Fork the predictor onto a side stream: on CUDA (CPU runs ops in order anyway)."""
+    return fake_value(x).device.type == "cuda"
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
-    predictors = [n for n in graph.nodes if n.target is OPS.select_predictor.default]
+    predictors = [n for n in graph.nodes if is_op(n, "select_predictor")]
     if not predictors:
         return gm
     fake_mode = fake_mode_of(gm)
@@ -73,7 +85,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         anchor.append(node)
         node.args = (x, *node.args[1:])
         meta["input_layer"] = layer - 1
-        if fake_value(x).device.type == "cuda":
+        if uses_side_stream(x):
             _fork_join(graph, node, x, 2 * layer + (kind == "attention"), kind, fake_mode)
         ctx.counters.add(f"lookahead[{kind}]")
     graph.lint()
@@ -90,10 +102,10 @@ def _fork_join(graph: fx.Graph, node: fx.Node, x: fx.Node, slot: int, kind: str,
     set_val(ahead, fake_mode)
     node.replace_all_uses_with(ahead)
     graph.erase_node(node)
-    target, n_args = FIRST_CONSUMER[kind]
-    consumers = [u for u in ahead.users if u.target is target]
+    name, n_args = FIRST_CONSUMER[kind]
+    consumers = [u for u in ahead.users if is_op(u, name)]
     if len(consumers) != 1:
-        raise RuntimeError(f"lookahead: expected one {target} reading the predictor, found "
+        raise RuntimeError(f"lookahead: expected one dejavu.{name} reading the predictor, found "
                            f"{len(consumers)}")
     consumer = consumers[0]
     consumer.args = (*consumer.args[:n_args], x, slot)

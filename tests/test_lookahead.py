@@ -59,6 +59,35 @@ def test_lookahead_matches_sequential_reference(tiny, arch, tmp_path):
     assert dejavu_compile.report(model).counters["lookahead[mlp]"] >= 1
 
 
+def test_side_stream_form_joins_the_first_consumer(tiny, tmp_path, monkeypatch):
+    """The CUDA form of the rewrite (predict_ahead + joining consumer), built on CPU where the
+    ops run in order: same outputs as the sequential reference, keep and slot in place."""
+    from dejavu_compile.passes import lookahead
+
+    monkeypatch.setattr(lookahead, "uses_side_stream", lambda x: True)
+    model = tiny("llama")
+    path, tensors = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    backend, graphs = _capture({"profile": str(path)})
+    ids = prompt()
+    with torch.no_grad():
+        handles = []
+        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
+            _predictor_reference_hooks(model, tensors, 0.5, dense_first=False, lookahead=True)))
+        for h in handles:
+            h.remove()
+        got = _decode_logits(torch.compile(model, backend=backend), ids)
+    torch.testing.assert_close(got, want, **FP32)
+    gm, ctx = graphs[-1]
+    ahead = [n for n in gm.graph.nodes if lookahead.is_op(n, "predict_ahead")]
+    assert len(ahead) == 2  # layer 1's MLP and attention predictors
+    for node in ahead:
+        kind = node.meta["dejavu"]["block"]
+        first = [u for u in node.users
+                 if lookahead.is_op(u, "sparse_mlp" if kind == "mlp" else "sparse_head_proj")]
+        keep, slot = first[0].args[-2:]
+        assert keep is ctx.inputs[(0, kind)] and slot == node.args[-1] >= 0
+
+
 def test_lookahead_option_mismatch_is_refused(tiny, tmp_path):
     model = tiny("llama")
     same, _ = _random_predictor_profile(model, tmp_path)
