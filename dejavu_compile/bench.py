@@ -43,6 +43,19 @@ def shape_configs():
                                      num_hidden_layers=32, num_attention_heads=32,
                                      num_key_value_heads=8, vocab_size=128256,
                                      max_position_embeddings=8192, rope_theta=500000.0),
+        # same layer shapes as Llama-3-8B, with the 128K context of Llama 3.1
+        "llama-3.1-8b": tf.LlamaConfig(hidden_size=4096, intermediate_size=14336,
+                                       num_hidden_layers=32, num_attention_heads=32,
+                                       num_key_value_heads=8, vocab_size=128256,
+                                       max_position_embeddings=131072, rope_theta=500000.0),
+        "qwen3-8b": tf.Qwen3Config(hidden_size=4096, intermediate_size=12288,
+                                   num_hidden_layers=36, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                   max_position_embeddings=40960),
+        "mistral-7b": tf.MistralConfig(hidden_size=4096, intermediate_size=14336,
+                                       num_hidden_layers=32, num_attention_heads=32,
+                                       num_key_value_heads=8, vocab_size=32768,
+                                       max_position_embeddings=32768, sliding_window=None),
     }
 
 

@@ -114,6 +114,35 @@ def _export(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from . import plan
+    from .bench import shape_configs
+
+    shapes = shape_configs()
+    if args.model in shapes:
+        config = shapes[args.model]
+    else:
+        from .models import load_model
+
+        config = load_model(args.model).model.config
+    model = plan.ModelBytes.from_config(config, args.model, args.dtype_bytes)
+    costs, bandwidth = {}, None
+    if args.costs:
+        with open(args.costs) as f:
+            measured = json.load(f)["kv"]
+        costs, bandwidth = measured["costs_ms"], measured["copy_gbs"] * 1e9
+    if args.profile:
+        from .profile import load_predictors, load_profile
+
+        prof = load_profile(args.profile)
+        account = plan.account_from_profile(model, prof, load_predictors(prof), args.kv_keep, costs)
+    else:
+        account = plan.Account(model, args.projection_keep, args.kv_keep, args.scope,
+                               costs_ms=costs)
+    print(plan.table(account, args.context, bandwidth))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dejavu", description="contextual sparsity for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-onnx", action="store_true", help="skip graph.onnx")
     p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=None)
     p.set_defaults(fn=_export)
+
+    from .plan import DEFAULT_KV_KEEP, DEFAULT_PROJECTION_KEEP, SCOPES
+
+    p = sub.add_parser("plan", help="byte account per decode step: projection vs KV sparsity")
+    p.add_argument("model", help="a shape name (llama-3.1-8b, qwen3-8b, opt-13b, ...) or a model")
+    p.add_argument("--profile", help="take the projection keep and predictor bytes from a profile")
+    p.add_argument("--context", type=int, nargs="+", required=True, help="context lengths")
+    p.add_argument("--projection-keep", type=float, default=DEFAULT_PROJECTION_KEEP)
+    p.add_argument("--kv-keep", type=float, default=DEFAULT_KV_KEEP)
+    p.add_argument("--scope", choices=SCOPES, default="all",
+                   help="projections the projection branch sparsifies (without a profile)")
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight and cache value")
+    p.add_argument("--costs", help="dejavu bench --kv JSON: measured kernel costs for the gate")
+    p.set_defaults(fn=_plan)
 
     p = sub.add_parser("bench", help="kernel sweep and end-to-end decode latency (CUDA GPU)")
     p.add_argument("--models", nargs="+", default=["opt-13b", "llama-3-8b"])

@@ -1,0 +1,75 @@
+"""The byte account: the second paper's published crossovers from model dimensions alone,
+speedup bounds, the dispatch gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from dejavu_compile.bench import shape_configs
+from dejavu_compile.plan import Account, ModelBytes
+
+
+def _model(name: str) -> ModelBytes:
+    return ModelBytes.from_config(shape_configs()[name], name)
+
+
+@pytest.mark.parametrize(
+    "name,proj,kv,scope,want",
+    [
+        ("llama-3.1-8b", 0.5, 0.3, "all", 76_069),
+        ("llama-3.1-8b", 0.7, 0.3, "all", 45_641),
+        ("llama-3.1-8b", 0.5, 0.5, "all", 106_496),
+        ("qwen3-8b", 0.5, 0.3, "all", 67_291),
+        ("mistral-7b", 0.5, 0.3, "all", 76_069),  # same layer shapes as Llama-3.1-8B
+        ("llama-3.1-8b", 0.5, 0.3, "mlp", 61_440),  # feed-forward projections alone
+        ("qwen3-8b", 0.5, 0.3, "mlp", 52_663),
+    ],
+)
+def test_published_crossovers(name, proj, kv, scope, want):
+    assert Account(_model(name), proj, kv, scope).crossover() == want
+
+
+def test_llama_layer_bytes_match_the_paper():
+    m = _model("llama-3.1-8b")
+    assert m.attention_bytes + m.mlp_bytes == 436_207_616  # "436 MB per step" per layer
+    assert m.kv_bytes_per_token == 4096  # "4096 n cache bytes"
+
+
+def test_bounds_and_gate_follow_the_crossover():
+    account = Account(_model("llama-3.1-8b"), 0.5, 0.3)
+    cross = account.crossover()
+    short, long = cross // 4, cross * 2
+    assert account.bound(short, "projection") > account.bound(short, "kv") > 1.0
+    assert account.bound(long, "kv") > account.bound(long, "projection") > 1.0
+    for n in (short, cross, long):  # composition saves both terms
+        assert account.bound(n, "both") > max(account.bound(n, "projection"),
+                                              account.bound(n, "kv"))
+    assert abs(account.step(cross, "projection").total - account.step(cross, "kv").total) < 4096 * 32
+    # without measured costs the gate picks the fewest bytes: both branches together
+    assert account.choose(short, 4e12) == "both"
+    assert account.choose(short, 4e12, allowed=("dense", "projection", "kv")) == "projection"
+    assert account.choose(long, 4e12, allowed=("dense", "projection", "kv")) == "kv"
+    # a fixed cost of the projection branch moves the latency crossing below the byte crossover
+    costly = Account(account.model, 0.5, 0.3, costs_ms={"projection": 1.0})
+    assert costly.choose(cross - 10_000, 4e12, allowed=("projection", "kv")) == "kv"
+
+
+def test_predictor_bytes_count_against_the_projection_branch():
+    m = _model("llama-3.1-8b")
+    plain, with_predictors = Account(m, 0.5, 0.3), Account(m, 0.5, 0.3, predictor_bytes=10**8)
+    assert with_predictors.crossover() < plain.crossover()
+    assert with_predictors.step(0, "projection").predictors == 10**8
+
+
+def test_bad_keep_is_refused():
+    with pytest.raises(ValueError, match="kv_keep"):
+        Account(_model("qwen3-8b"), 0.5, 0.0)
+
+
+def test_plan_command_prints_the_account(capsys):
+    from dejavu_compile.cli import main
+
+    assert main(["plan", "llama-3.1-8b", "--context", "2048", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert "byte crossover: 76,069 tokens" in out
+    assert "436.2 MB" in out and "   2048 |" in out and "131072 |" in out
