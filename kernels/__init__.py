@@ -5,7 +5,7 @@ The ops' default implementation is the PyTorch reference; for CUDA tensors the T
 each op by device.
 """
 
-from . import lookahead, ops, predictor, reference
+from . import kv, lookahead, ops, predictor, reference
 
 try:
     import triton  # noqa: F401
@@ -24,4 +24,4 @@ ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 5))
 ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
 ops.predict_ahead.register_kernel("cuda")(lookahead.predict_ahead)
 
-__all__ = ["HAVE_TRITON", "ops", "reference"]
+__all__ = ["HAVE_TRITON", "kv", "ops", "reference"]

@@ -167,3 +167,43 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
     if b is not None:
         out = out + _acc(b)
     return out.to(attn.dtype)
+
+
+def kv_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention mass each cached position gets from the observation queries, per KV head.
+
+    q: [B, H, W, hd], the last W prompt tokens' queries; k: [B, KVH, T, hd], the prompt's keys
+    (T >= W; query j sits at position T - W + j and sees keys up to it). Probabilities are
+    summed over the W queries and over the H / KVH query heads sharing each KV head.
+    Returns [B, KVH, T] in fp32. Computed one KV head at a time to bound memory.
+    """
+    b, h, w, _ = q.shape
+    kvh, t = k.shape[1], k.shape[2]
+    group = h // kvh
+    pos_q = torch.arange(t - w, t, device=q.device)[:, None]
+    visible = torch.arange(t, device=q.device)[None, :] <= pos_q  # [W, T]
+    out = torch.empty(b, kvh, t, dtype=torch.float32, device=q.device)
+    for g in range(kvh):
+        qg = _acc(q[:, g * group : (g + 1) * group])  # [B, group, W, hd]
+        logits = (qg @ _acc(k[:, g : g + 1]).transpose(-1, -2)) * scale  # [B, group, W, T]
+        probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[:, g] = probs.sum(dim=(1, 2)).float()
+    return out
+
+
+def kv_select(scores: torch.Tensor, budget: int, sinks: int, window: int, smooth: int) -> torch.Tensor:
+    """Positions to keep per KV head: scores [B, KVH, T] smoothed by a width-``smooth`` moving
+    average, the first ``sinks`` and last ``window`` positions always kept, then the highest
+    scores up to ``budget`` positions. Returns [B, KVH, budget] int64, ascending."""
+    b, kvh, t = scores.shape
+    if budget >= t:
+        return torch.arange(t, device=scores.device).expand(b, kvh, t).contiguous()
+    if budget < min(t, sinks + window):
+        raise ValueError(f"KV budget {budget} is below sinks + window ({sinks} + {window})")
+    flat = scores.reshape(b * kvh, 1, t).float()
+    if smooth > 1:
+        flat = F.avg_pool1d(flat, smooth, stride=1, padding=smooth // 2, count_include_pad=False)
+    ranked = flat.reshape(b, kvh, t).clone()
+    ranked[..., :sinks] = float("inf")
+    ranked[..., t - window :] = float("inf")
+    return ranked.topk(budget, dim=-1).indices.sort(dim=-1).values
