@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+DISPATCH_CONTEXTS = (512, 2048, 8192, 32768, 131072)  # context lengths the report's gate lists
+
 
 @dataclass
 class BlockRow:
@@ -49,6 +51,7 @@ class GraphReport:
     counters: dict[str, int]
     other_bytes: int  # parameters outside matched blocks (embeddings, norms, head), read densely
     decode: bool = True  # one new token per sequence (prefill graphs run dense)
+    kv_bytes_per_token: int = 0  # KV cache bytes one context token adds (matched attention blocks)
     params: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary, repr=False)
 
     @property
@@ -98,6 +101,31 @@ class CompileReport:
     def bytes_sparse(self) -> int:
         return self.main.bytes_sparse
 
+    def dispatch(self, contexts=DISPATCH_CONTEXTS, kv_keep: float | None = None,
+                 costs_ms: dict[str, float] | None = None, bandwidth: float | None = None):
+        """The dispatch gate on this compilation's byte account: per context length, the mode
+        (dense, projection, kv, both) with the least predicted step time: bytes read (weights
+        as compiled, the KV cache at ``kv_keep``) at ``bandwidth``, plus each mode's measured
+        fixed cost (``dejavu bench --kv``); without costs, the fewest bytes. Returns the byte
+        crossover and the choices."""
+        from .plan import DEFAULT_KV_KEEP, MODES
+
+        keep = DEFAULT_KV_KEEP if kv_keep is None else kv_keep
+        kv, costs = self.main.kv_bytes_per_token, costs_ms or {}
+        weights = {"dense": self.bytes_dense, "projection": self.bytes_sparse,
+                   "kv": self.bytes_dense, "both": self.bytes_sparse}
+
+        def step_ms(mode, n):
+            cache = kv * n * (keep if mode in ("kv", "both") else 1.0)
+            seconds = (weights[mode] + cache) / (bandwidth or 1e12)
+            return seconds * 1e3 + costs.get(mode, 0.0)
+
+        saved = self.bytes_dense - self.bytes_sparse
+        cross = round(saved / ((1 - keep) * kv)) if kv and keep < 1 and saved > 0 else None
+        choices = {n: min(MODES, key=lambda m, n=n: step_ms(m, n)) for n in contexts}
+        return {"kv_keep": keep, "crossover": cross, "projection_saves": saved,
+                "kv_bytes_per_token": kv, "choices": choices}
+
     def to_dict(self) -> dict[str, Any]:
         def block(b: BlockRow | None):
             if b is None:
@@ -119,6 +147,7 @@ class CompileReport:
             ],
             "unmatched": self.unmatched,
             "counters": self.counters,
+            "dispatch": self.dispatch(),
         }
 
     def __str__(self) -> str:
@@ -156,6 +185,16 @@ class CompileReport:
                    for (kind, why), layers in grouped.items()]
         for line in reasons + [f"dense: {u}" for u in self.unmatched]:
             lines.append(f"  {line}")
+        gate = self.dispatch()
+        if gate["kv_bytes_per_token"]:
+            cross = gate["crossover"]
+            lines.append(
+                f"  byte account: projection sparsity saves {gate['projection_saves'] * mb:.2f} "
+                f"MiB per token, KV selection at keep {gate['kv_keep']} saves "
+                f"{(1 - gate['kv_keep']) * gate['kv_bytes_per_token']} B per context token; "
+                + (f"they cross at {cross:,} tokens" if cross is not None else "no crossover"))
+            lines.append("  dispatch by bytes: " + ", ".join(
+                f"{n:,} tokens -> {mode}" for n, mode in gate["choices"].items()))
         lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
         return "\n".join(lines)
 
@@ -247,6 +286,9 @@ def build_graph_report(ctx, index: int) -> GraphReport:
         counters=dict(ctx.counters.values),
         other_bytes=sum(_nbytes(p) for p in seen.values()),
         decode=disc.tokens == 1,
+        kv_bytes_per_token=sum(b.k.weight.shape[0] * b.k.weight.element_size()
+                               + b.v.weight.shape[0] * b.v.weight.element_size()
+                               for b in disc.attention.values()),
     )
     for p in params:
         report.params[p] = True

@@ -73,3 +73,28 @@ def test_plan_command_prints_the_account(capsys):
     out = capsys.readouterr().out
     assert "byte crossover: 76,069 tokens" in out
     assert "436.2 MB" in out and "   2048 |" in out and "131072 |" in out
+
+
+def test_compile_report_shows_the_gate(tiny):
+    import torch
+
+    import dejavu_compile
+
+    from .conftest import prompt
+    from .test_backend import _decode_logits
+
+    model = tiny("llama")  # 2 layers, 2 KV heads of 16 dims, fp32
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu", options={
+            "selector": "fixed", "mlp_density": 0.25}), prompt(), steps=1)
+    rep = dejavu_compile.report(model)
+    gate = rep.dispatch(contexts=(1, 10**6), kv_keep=0.3)
+    assert gate["kv_bytes_per_token"] == 2 * 2 * (2 * 16 * 4)
+    saved = rep.bytes_dense - rep.bytes_sparse
+    assert saved > 0 and gate["crossover"] == round(saved / (0.7 * 512))
+    assert gate["choices"] == {1: "both", 10**6: "both"}
+    # a fixed cost on the projection branch makes KV alone win at long context
+    costly = rep.dispatch(contexts=(10**6,), kv_keep=0.3, costs_ms={"both": 1.0, "projection": 1.0},
+                          bandwidth=1e12)
+    assert costly["choices"][10**6] == "kv"
+    assert "dispatch by bytes" in str(rep) and "they cross at" in str(rep)
