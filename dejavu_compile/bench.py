@@ -15,6 +15,7 @@ process, side by side, with the measured copy bandwidth of this GPU as the ceili
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import statistics
@@ -346,8 +347,164 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
     torch.cuda.empty_cache()
 
 
+KV_CONTEXTS = (2048, 8192, 16384, 32768, 65536, 131072)
+KV_MODEL = "llama-3-8b"
+
+
+@functools.cache
+def fixed_length_layer():
+    """A timing cache layer (a transformers ``DynamicLayer``) of exactly ``L`` positions: each
+    decode step writes its token into the last slot, in place, and attention reads all ``L``
+    (the step of an ``L``-token context with static storage, so CUDA graphs replay it; values
+    do not change the time)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class FixedLengthLayer(DynamicLayer):
+        # not "compileable" in transformers' sense, so its mask code may drop the all-visible
+        # mask of a one-token query: SDPA then runs without a mask (flash, GQA without copies)
+        is_compileable = False
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+            super().__init__()
+            self.keys, self.values = keys, values
+            self.is_initialized = True
+            self.dtype, self.device = keys.dtype, keys.device
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys[:, :, -1:].copy_(key_states)
+            self.values[:, :, -1:].copy_(value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.keys.shape[-2] - 1
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.keys.shape[-2], 0
+
+    return FixedLengthLayer
+
+
+def _fixed_cache(model, length: int):
+    from transformers import DynamicCache
+
+    cfg = model.config
+    heads = cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    layers = []
+    for _ in range(cfg.num_hidden_layers):
+        k = torch.randn(1, heads, length, hd, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        for t in (k, v):
+            torch._dynamo.mark_static_address(t, guard=False)
+            torch._dynamo.mark_dynamic(t, 2)
+        layers.append(fixed_length_layer()(k, v))
+    cache.layers = layers
+    return cache
+
+
+@torch.no_grad()
+def _step_ms(model, forward, length: int, steps: int) -> float:
+    cache = _fixed_cache(model, length)
+    tok = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda")
+    pos = torch.tensor([length - 1], device="cuda")
+    times = []
+    for i in range(steps + 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        forward(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos[None],
+                use_cache=True)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(1e3 * (time.perf_counter() - start))
+    del cache
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: int = 20,
+             rank: int = 128, workdir=None) -> dict:
+    """Decode-step latency from 2K to 128K context for dense, projection sparsity (the
+    operating point), KV selection (``kv_keep`` of the context) and both; every mode reads its
+    cache through the same SDPA call (no mask: PyTorch's flash kernel). Returns the times, the
+    bytes of each mode and the fixed cost of each (measured time minus bytes at copy bandwidth,
+    at the shortest context), with the byte crossover and the cost-aware predicted crossing."""
+    import tempfile
+    from pathlib import Path
+
+    import dejavu_compile
+
+    workdir = Path(workdir or tempfile.mkdtemp())
+    point = OPERATING_POINTS[name]
+    model = random_model(cfg)
+    dejavu_compile.backend.register_model(model)
+    kv_per_token = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) \
+        * 2 * cfg.num_hidden_layers
+    rows, weights = [], {}
+    for pipeline, (mlp, att) in (("dense", (1.0, 1.0)), ("projection", (point["mlp"],
+                                                                          point["attention"]))):
+        torch._dynamo.reset()
+        profile = random_profile(model, mlp, att, rank, workdir / f"{name}-kv-{pipeline}.yaml")
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={"profile": profile, "cudagraphs": True})
+        for n in contexts:
+            for mode, length in ((pipeline, n), ("kv" if pipeline == "dense" else "both",
+                                                 max(2, round(kv_keep * n)))):
+                try:
+                    ms = _step_ms(model, fwd, length, steps)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    continue
+                if pipeline not in weights:
+                    rep = dejavu_compile.report(model)
+                    weights[pipeline] = rep.bytes_sparse
+                rows.append({"context": n, "mode": mode, "cache_tokens": length, "ms": ms,
+                             "bytes": weights[pipeline] + kv_per_token * length})
+                print(json.dumps({"model": name, **rows[-1]}), flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"model": name, "kv_keep": kv_keep, "operating_point": point, "rows": rows,
+            "weights": weights, "kv_bytes_per_token": kv_per_token}
+
+
+def analyse_kv(sweep: dict, bandwidth: float) -> dict:
+    """Fixed costs per mode (time minus bytes at ``bandwidth``, at the shortest context), the
+    byte crossover of projection and KV, the crossing the account predicts with those costs,
+    and the measured crossing (linear interpolation of the time difference)."""
+    rows = sweep["rows"]
+    ms = {(r["mode"], r["context"]): r["ms"] for r in rows}
+    contexts = sorted({r["context"] for r in rows})
+    first = contexts[0]
+    costs = {r["mode"]: r["ms"] - r["bytes"] / bandwidth * 1e3 for r in rows
+             if r["context"] == first}
+    kv, keep, w = sweep["kv_bytes_per_token"], sweep["kv_keep"], sweep["weights"]
+    saved = w.get("dense", 0) - w.get("projection", 0)
+    byte_cross = saved / ((1 - keep) * kv) if kv else None
+    # projection(n) = (Wp + kv n)/bw + c_p ; kv(n) = (Wd + keep kv n)/bw + c_k
+    predicted = None
+    if {"projection", "kv"} <= set(costs):
+        num = (w["projection"] - w["dense"]) / bandwidth * 1e3 + costs["projection"] - costs["kv"]
+        den = -(1 - keep) * kv / bandwidth * 1e3
+        predicted = num / den
+    measured = None
+    diffs = [(n, ms[("projection", n)] - ms[("kv", n)]) for n in contexts
+             if ("projection", n) in ms and ("kv", n) in ms]
+    for (n0, d0), (n1, d1) in zip(diffs, diffs[1:], strict=False):
+        if d0 < 0 <= d1:
+            measured = n0 + (n1 - n0) * (-d0) / (d1 - d0)
+            break
+    if measured is None and diffs and diffs[0][1] >= 0:
+        measured = 0.0  # KV already ahead at the shortest context
+    fastest = {n: min((m for m in ("dense", "projection", "kv", "both") if (m, n) in ms),
+                      key=lambda m, n=n: ms[(m, n)]) for n in contexts}
+    return {"costs_ms": costs, "byte_crossover": byte_cross, "predicted_crossing": predicted,
+            "measured_crossing": measured, "fastest": fastest, "copy_gbs": bandwidth / 1e9}
+
+
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
-        e2e: bool = True, modes=MODES) -> dict:
+        e2e: bool = True, modes=MODES, kv: bool = False) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict."""
     if not torch.cuda.is_available():
         raise RuntimeError("dejavu bench needs a CUDA GPU")
@@ -358,6 +515,9 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
     bw = copy_bandwidth()
     result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": []}
     print(f"GPU {result['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    if kv:
+        sweep = kv_sweep(KV_MODEL, configs[KV_MODEL])
+        result["kv"] = {**sweep, **analyse_kv(sweep, bw)}
     for name in models:
         if kernels:
             for row in kernel_sweep(name, configs[name]):
@@ -420,4 +580,30 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                 f"({r['p20']:.2f}-{r['p80']:.2f}) | {r['bytes_per_token'] / 1e9:.2f} GB | "
                 f"{r['floor_ms']:.2f} | {r['peak_gib']:.1f} |")
         lines.append("")
+    if result.get("kv"):
+        lines += _kv_markdown(result["kv"])
     return "\n".join(lines)
+
+
+def _kv_markdown(kv: dict) -> list[str]:
+    point = kv["operating_point"]
+    lines = [f"### Projection vs KV sparsity ({kv['model']}, fp16, batch 1; projection: MLP "
+             f"{point['mlp']}, attention {point['attention']}; KV keep {kv['kv_keep']}; every "
+             "mode reads its cache through the same SDPA call)", "",
+             "| context | dense ms | projection ms | KV ms | both ms | fastest |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    ms = {(r["mode"], r["context"]): r["ms"] for r in kv["rows"]}
+    for n in sorted({r["context"] for r in kv["rows"]}):
+        cells = [f"{ms[(m, n)]:.2f}" if (m, n) in ms else "-"
+                 for m in ("dense", "projection", "kv", "both")]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {kv['fastest'][n]} |")
+
+    def tokens(v):
+        return "none" if v is None else f"{v:,.0f}"
+
+    costs = ", ".join(f"{m} {c:.2f} ms" for m, c in kv["costs_ms"].items())
+    lines += ["", f"Fixed costs (time minus bytes at copy bandwidth, at the shortest context): "
+              f"{costs}. Byte crossover {tokens(kv['byte_crossover'])} tokens; predicted with "
+              f"costs {tokens(kv['predicted_crossing'])}; measured "
+              f"{tokens(kv['measured_crossing'])}.", ""]
+    return lines

@@ -29,7 +29,7 @@ def _bench(args) -> int:
     from . import bench
 
     result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
-                       e2e=not args.no_e2e, modes=args.modes)
+                       e2e=not args.no_e2e, modes=args.modes, kv=args.kv)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-e2e", action="store_true", help="skip end-to-end decoding")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="end-to-end modes to run")
+    p.add_argument("--kv", action="store_true",
+                   help="also sweep dense / projection / KV / both from 2K to 128K context "
+                        "(Llama-3-8B shape); its JSON feeds `dejavu plan --costs`")
     p.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)
