@@ -63,8 +63,9 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "cudagraphs": True})
         results[side] = _teacher_forced_logits(model, fwd, tokens)
-    # both compilations (with and without the side stream) moved layers 1-5's predictors ahead
-    assert dejavu_compile.report(model).counters["lookahead[mlp]"] == 2 * 5
     # The sparse kernels add with atomics (order not fixed), so compare to fp16 accuracy; a race
     # (indices read before the predictor wrote them) changes whole rows of the output.
     torch.testing.assert_close(results[True], results[False], atol=2e-2, rtol=2e-2)
+    # every decode graph moved layers 1-5's MLP predictors ahead
+    count = dejavu_compile.report(model).counters["lookahead[mlp]"]
+    assert count >= 2 * 5 and count % 5 == 0, count
