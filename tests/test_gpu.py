@@ -57,15 +57,20 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
     tokens = torch.randint(0, 512, (1, 32 + STEPS), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0))
     results = {}
-    for side in (True, False):
+    for run, side in (("one stream", False), ("one stream again", False), ("side stream", True)):
         monkeypatch.setattr(lookahead, "SIDE_STREAM", side)
         torch._dynamo.reset()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "cudagraphs": True})
-        results[side] = _teacher_forced_logits(model, fwd, tokens)
-    # The sparse kernels add with atomics (order not fixed), so compare to fp16 accuracy; a race
-    # (indices read before the predictor wrote them) changes whole rows of the output.
-    torch.testing.assert_close(results[True], results[False], atol=2e-2, rtol=2e-2)
+        results[run] = _teacher_forced_logits(model, fwd, tokens)
+    # The sparse kernels add with atomics, in no fixed order, and a near-tie in a predictor's
+    # scores can then pick another unit: two one-stream runs already differ a little. The side
+    # stream must not differ more than that (a race would use stale or unwritten indices).
+    base = (results["one stream again"] - results["one stream"]).abs()
+    diff = (results["side stream"] - results["one stream"]).abs()
+    agree = (results["side stream"].argmax(-1) == results["one stream"].argmax(-1)).float().mean()
+    assert diff.max() <= 2 * base.max() + 1e-2, (diff.max(), base.max())
+    assert agree >= 0.97, agree
     # every decode graph moved layers 1-5's MLP predictors ahead
     count = dejavu_compile.report(model).counters["lookahead[mlp]"]
     assert count >= 2 * 5 and count % 5 == 0, count

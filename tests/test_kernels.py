@@ -88,26 +88,3 @@ def test_kernels_refuse_unsupported_dtype():
         sparse_mlp.sparse_mlp(x, torch.zeros(1, 1, 2, dtype=torch.int64), torch.randn(4, 8),
                               None, None, torch.randn(4, 8), None, "relu")
 
-
-topk = pytest.importorskip("dejavu_compile.kernels.topk")
-
-
-@pytest.mark.parametrize("rows,n,k", [(1, 37, 1), (3, 37, 37), (2, 300, 77), (1, 1000, 500)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_kernel_matches_reference(rows, n, k, dtype):
-    gen = torch.Generator().manual_seed(n + k)
-    scores = (torch.randn(rows, n, generator=gen) * 3).to(device=DEVICE, dtype=dtype)
-    scores[0, : min(5, n)] = -scores[0, : min(5, n)].abs() - 1  # negatives near the top too
-    got = topk.topk_indices(scores, k)
-    want = ref.topk_indices(scores.float(), k)
-    assert got.dtype == torch.int64 and got.shape == (rows, k)
-    # same set of ids (scores are distinct), written in ascending order
-    assert torch.equal(got.sort(-1).values, want) and torch.equal(got, got.sort(-1).values)
-
-
-def test_topk_kernel_ties_go_to_lower_ids():
-    scores = torch.tensor([[1.0, 5.0, 2.0, 5.0, 5.0, -1.0, 5.0]], device=DEVICE)
-    assert topk.topk_indices(scores, 3).tolist() == [[1, 3, 4]]
-    assert topk.topk_indices(scores, 1).tolist() == [[1]]
-    with pytest.raises(ValueError, match="k=8"):
-        topk.topk_indices(scores, 8)
