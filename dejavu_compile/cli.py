@@ -143,6 +143,25 @@ def _plan(args) -> int:
     return 0
 
 
+def _retrieval(args) -> int:
+    from . import retrieval
+    from .models import load_model
+
+    loaded = load_model(args.model)
+    decode = None
+    if args.profile:
+        from .backend import compile as dejavu_compile
+
+        decode = dejavu_compile(loaded.model, profile=args.profile)
+    rows = retrieval.run(loaded, args.context, args.kv_keep, policies=args.policies,
+                         decode=decode, progress=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(retrieval.summary(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dejavu", description="contextual sparsity for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight and cache value")
     p.add_argument("--costs", help="dejavu bench --kv JSON: measured kernel costs for the gate")
     p.set_defaults(fn=_plan)
+
+    from .kv import POLICIES
+
+    p = sub.add_parser("retrieval", help="passkey and multi-key trials: KV policies vs dense")
+    p.add_argument("model")
+    p.add_argument("--context", type=int, nargs="+", default=[1024, 2048], help="prompt tokens")
+    p.add_argument("--kv-keep", type=float, default=DEFAULT_KV_KEEP)
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--profile", help="decode through the dejavu-compiled model (composition)")
+    p.add_argument("--json", help="write every trial as JSON")
+    p.set_defaults(fn=_retrieval)
 
     p = sub.add_parser("bench", help="kernel sweep and end-to-end decode latency (CUDA GPU)")
     p.add_argument("--models", nargs="+", default=["opt-13b", "llama-3-8b"])

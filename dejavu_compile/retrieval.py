@@ -95,7 +95,24 @@ def run(loaded, contexts: list[int], keep: float, policies=("dense", "scored", "
         for policy in policies:
             new, sel = kv.generate(loaded.model, trial.ids, NEW_TOKENS, policy, keep, decode)
             got = answer_of(loaded, new)
-            rows.append({"task": task, "context": trial.ids.shape[1], "depth": depth,
+            rows.append({"task": task, "context": n, "prompt_tokens": trial.ids.shape[1],
+                         "depth": depth,
                          "policy": policy, "kept_tokens": sel.kept_tokens, "answer": got,
                          "expected": trial.answer, "correct": got == trial.answer})
     return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Per task, context and policy: right answers, and answers equal to dense decoding's."""
+    dense = {(r["task"], r["context"], r["depth"]): r["answer"] for r in rows
+             if r["policy"] == "dense"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["task"], r["context"], r["policy"]), []).append(r)
+    lines = [f"{'task':<9} {'context':>7} {'policy':<7} {'kept':>6} {'right':>6} {'as dense':>8}"]
+    for (task, n, policy), rs in groups.items():
+        right = sum(r["correct"] for r in rs)
+        same = sum(r["answer"] == dense.get((task, n, r["depth"])) for r in rs)
+        lines.append(f"{task:<9} {n:>7} {policy:<7} {rs[0]['kept_tokens']:>6} "
+                     f"{right:>3}/{len(rs):<2} {same:>5}/{len(rs):<2}")
+    return "\n".join(lines)

@@ -60,6 +60,20 @@ def test_export_files_are_valid(tiny, arch, tmp_path):
     assert "torch.ops.dejavu.sparse_mlp" in source
 
 
+def test_svg_shows_lookahead_edges(tiny, tmp_path):
+    from .test_profiles_and_generate import _random_predictor_profile as profile_of
+
+    model = tiny("llama")
+    path, _ = profile_of(model, tmp_path, dense_first=False, lookahead=True)
+    paths = dejavu_compile.export(model, tmp_path / "out", onnx=False, profile=str(path))
+    svg = ET.parse(paths["graph.svg"]).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    text = [t.text for t in svg.iter(f"{ns}text")]
+    assert sum("(lookahead)" in t for t in text) == 2  # layer 1's MLP and attention predictors
+    edges = [t.text for line in svg.iter(f"{ns}line") for t in line.iter(f"{ns}title")]
+    assert edges.count("lookahead") == 2 and edges.count("predictor-input") == 2
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_report_bytes_add_up_to_parameters_at_density_one(tiny, arch, tmp_path):
     model = tiny(arch)

@@ -41,3 +41,40 @@ def test_real_model_discovery_and_exactness(real):
     assert graphs and all(len(g.layers) == layers for g in graphs)
     # Every linear except the (tied) output head belongs to a block.
     assert len(rep.unmatched) == 1 and "embed_tokens.weight" in rep.unmatched[0]
+
+
+def test_export_command_on_the_shipped_profile(tmp_path):
+    from pathlib import Path
+
+    import yaml
+
+    from dejavu_compile.cli import main
+
+    profile = Path(__file__).parent.parent / "profiles" / "smollm2-135m.yaml"
+    assert main(["export", "smollm2-135m", "--profile", str(profile), "--out", str(tmp_path),
+                 "--no-onnx"]) == 0
+    report = yaml.safe_load((tmp_path / "report.yaml").read_text())
+    shipped = dejavu_compile.load_profile(profile)
+    assert [r["layer"] for r in report["layers"]] == list(range(30))
+    for row, layer in zip(report["layers"], shipped.layers, strict=True):
+        assert row["mlp"]["selector"] == layer.mlp.selector
+        if layer.mlp.selector == "predictor":
+            assert row["mlp"]["recall"] == layer.mlp.recall
+    assert "layer 29 mlp" in (tmp_path / "graph.svg").read_text()
+    compile((tmp_path / "graph.py").read_text(), "graph.py", "exec")
+
+
+def test_retrieval_harness_on_smollm2():
+    """The passkey harness on the real model: dense decoding finds the key, a recent-token
+    window that holds the needle finds it, and scored selection keeps its budget."""
+    from dejavu_compile import kv, retrieval
+
+    loaded = load_model("smollm2-135m")
+    trial = retrieval.passkey(loaded, 512, 1.0, seed=7)
+    new, _ = kv.generate(loaded.model, trial.ids, retrieval.NEW_TOKENS, "dense")
+    assert retrieval.answer_of(loaded, new) == trial.answer
+    new, sel = kv.generate(loaded.model, trial.ids, retrieval.NEW_TOKENS, "window", keep=0.5)
+    assert retrieval.answer_of(loaded, new) == trial.answer
+    assert sel.kept_tokens == round(0.5 * trial.ids.shape[1])
+    _, sel = kv.generate(loaded.model, trial.ids, 2, "scored", keep=0.3)
+    assert sel.kept_tokens == kv.budget_for(trial.ids.shape[1], 0.3)
