@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SELECTORS = ("oracle", "predictor", "fixed")
+SELECTORS = ("oracle", "predictor", "fixed", "gate")
 GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -34,8 +34,10 @@ class DejavuOptions:
     selector: ``"oracle"`` (true top-k from the dense computation, a quality ceiling),
         ``"predictor"`` (needs a profile with predictor weights) or ``"fixed"`` (the first k
         units every token: no selection at all, to time the sparse ops alone; its outputs are
-        not meant to be good). With a profile, ``"oracle"`` or ``"fixed"`` replaces its
-        predictors at the profile's densities.
+        not meant to be good) or ``"gate"`` (gated MLPs only: the gate projection, read densely,
+        selects the neurons by |act(gate)|; then only their rows of the up projection and of the
+        down projection are read). With a profile, ``"oracle"``, ``"fixed"`` or ``"gate"``
+        replaces its selectors at the profile's densities.
     mlp_density / attention_density: fraction of MLP neurons / attention heads kept per decoded
         token when no profile is given; ``None`` leaves that block dense.
     attention_granularity: ``"head"`` (query heads) or ``"group"`` (whole KV groups of
@@ -90,6 +92,9 @@ class DejavuOptions:
                 )
             if self.selector == "predictor":
                 raise ValueError("selector 'predictor' needs a profile with predictor weights")
+            if self.selector == "gate" and self.attention_density is not None:
+                raise ValueError("selector 'gate' selects MLP neurons; it has no attention form "
+                                 "(leave attention_density unset)")
             if self.lookahead:
                 raise ValueError("option 'lookahead' needs a profile whose predictors were "
                                  "calibrated with lookahead (dejavu calibrate --lookahead)")

@@ -235,6 +235,10 @@ def _mlp_row(ctx, block, plan) -> BlockRow:
         selector = _predictor_bytes(ctx, block.layer, "mlp")
     elif plan.selector == "fixed":
         selector = 0
+    elif plan.selector == "gate":
+        # the gate is read densely (it selects); up and down only for the kept neurons
+        selector = block.first.nbytes()
+        sparse = round(frac * (_weights(block.up) + _weights(block.down))) + _nbytes(block.down.bias)
     else:
         sparse, selector = dense, 0
     return BlockRow("mlp", plan.selector, frac, plan.k, plan.units, dense, sparse, selector,

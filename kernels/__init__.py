@@ -18,6 +18,7 @@ else:
 
     _mlp, _head_proj = sparse_mlp.sparse_mlp, heads.sparse_head_proj
     ops.sparse_head_out.register_kernel("cuda")(heads.sparse_head_out)
+    ops.sparse_mlp_gated.register_kernel("cuda")(sparse_mlp.sparse_mlp_gated)
 # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
 ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 8))
 ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 5))

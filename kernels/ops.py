@@ -160,5 +160,36 @@ def _(attn, idx, wo_t, b, head_dim):
     return attn.new_empty(*attn.shape[:-1], wo_t.shape[1])
 
 
-SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor, predict_ahead)
-SPARSE_OPS = (sparse_mlp, sparse_head_proj, sparse_head_out)
+@torch.library.custom_op(f"{_LIB}::select_gate", mutates_args=())
+def select_gate(g: torch.Tensor, act: str, k: int) -> torch.Tensor:
+    """The gate projection as selector: top-k neurons by |act(gate pre-activation)|."""
+    return ref.select_gate(g, act, k)
+
+
+@select_gate.register_fake
+def _(g, act, k):
+    return _ids_like(g, k)
+
+
+@torch.library.custom_op(f"{_LIB}::sparse_mlp_gated", mutates_args=())
+def sparse_mlp_gated(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    g: torch.Tensor,
+    w_up: torch.Tensor,
+    w2_t: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: str,
+) -> torch.Tensor:
+    """Gated MLP over the selected neurons with the gate computed densely: reads only the
+    selected rows of the up projection and of the transposed down projection."""
+    return ref.sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act)
+
+
+@sparse_mlp_gated.register_fake
+def _(x, idx, g, w_up, w2_t, b2, act):
+    return x.new_empty(*x.shape[:-1], w2_t.shape[1])
+
+
+SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor, predict_ahead, select_gate)
+SPARSE_OPS = (sparse_mlp, sparse_head_proj, sparse_head_out, sparse_mlp_gated)

@@ -76,6 +76,27 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
     return out.to(x.dtype).reshape(*x.shape[:-1], w2_t.shape[1])
 
 
+def select_gate(g: torch.Tensor, act: str, k: int) -> torch.Tensor:
+    """The gate as selector: top-``k`` neurons by |act(g)|, ``g`` [..., N] the dense gate
+    pre-activations (bias included). Returns [..., k]."""
+    rows = _acc(g.reshape(-1, g.shape[-1]))
+    return topk_indices(activate(rows, act).abs(), k).reshape(*g.shape[:-1], k)
+
+
+def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
+    """A gated MLP over the selected neurons, the gate already computed densely: act(g[idx]) *
+    (x W_up[idx]^T) @ W2_t[idx] (+b2). x: [..., d]; idx: [..., k]; g: [..., N]; w_up: [N, d];
+    w2_t: [N, d_out]. Returns [..., d_out]."""
+    rows = _rows(x)
+    sel = idx.reshape(rows.shape[0], -1)
+    gate = activate(_acc(g.reshape(rows.shape[0], -1)).gather(1, sel), act)
+    h = gate * torch.einsum("rd,rkd->rk", rows, _acc(w_up[sel]))
+    out = torch.einsum("rk,rko->ro", h, _acc(w2_t[sel]))
+    if b2 is not None:
+        out = out + _acc(b2)
+    return out.to(x.dtype).reshape(*x.shape[:-1], w2_t.shape[1])
+
+
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Ids of the ``k`` largest scores along the last axis, in ascending id order.
 

@@ -117,3 +117,40 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
     if b2 is not None:
         out += b2
     return out.to(x.dtype).reshape(*x.shape[:-1], d_out)
+
+
+def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
+    """Triton launcher with the signature of ``torch.ops.dejavu.sparse_mlp_gated``: the gate
+    pre-activations of the selected neurons are gathered from ``g`` (computed densely by the
+    selector's projection), the up kernel computes only the selected rows of ``w_up``, and the
+    down kernel applies act(gate) * up as for ``sparse_mlp``.
+
+    x: [..., d]; idx: [..., k] int64; g: [..., N]; w_up: [N, d]; w2_t: [N, d_out].
+    """
+    check_dtype("sparse_mlp_gated", x, g, w_up, w2_t, b2)
+    d, d_out, k = x.shape[-1], w2_t.shape[1], idx.shape[-1]
+    if w_up.stride(1) != 1 or w2_t.stride(1) != 1:
+        raise ValueError("sparse_mlp_gated kernel needs row-contiguous weights")
+    rows = x.reshape(-1, d).contiguous()
+    sel = idx.reshape(-1, k).contiguous()
+    n_rows = rows.shape[0]
+    pre = torch.empty(2, n_rows, k, device=x.device, dtype=torch.float32)
+    pre[0] = g.reshape(n_rows, -1).gather(1, sel)
+    pre[1].zero_()
+    _up_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]), n_rows)](
+        rows, sel, w_up, w_up, pre[1], pre[1],
+        d, k,
+        rows.stride(0), sel.stride(0), w_up.stride(0), w_up.stride(0), pre.stride(1),
+        GATED=False,
+    )
+    out = torch.zeros(n_rows, d_out, device=x.device, dtype=torch.float32)
+    _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d_out, m["BLOCK_D"]),
+                            n_rows)](
+        pre[0], pre[1], sel, w_up, w2_t, out,
+        d_out, k,
+        pre.stride(1), sel.stride(0), w2_t.stride(0), out.stride(0),
+        ACT=ACT_CODES[act], HAS_B1=False, GATED=True,
+    )
+    if b2 is not None:
+        out += b2
+    return out.to(x.dtype).reshape(*x.shape[:-1], d_out)

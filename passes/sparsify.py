@@ -121,7 +121,7 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                 density = opts.mlp_density if kind == "mlp" else opts.attention_density
                 spec = BlockProfile(selector="oracle", density=density) if density else BlockProfile()
             selector = spec.selector
-            if selector != "dense" and opts.selector in ("oracle", "fixed"):
+            if selector != "dense" and opts.selector in ("oracle", "fixed", "gate"):
                 selector = opts.selector
             reason = ""
             if selector == "dense":
@@ -133,6 +133,10 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                 selector, reason = "dense", "listed in dense_layers"
             elif why := _unsupported(block):
                 selector, reason = "dense", why
+            elif selector == "gate" and kind == "mlp" and block.up is None:
+                raise ProfileError(
+                    f"layer {layer}, mlp selector 'gate' needs a gated MLP "
+                    "(act(gate(x)) * up(x)); this block has one first projection")
             elif selector == "predictor" and spec.units != units:
                 raise ProfileError(
                     f"profile: layer {layer}, {kind} predictor has units={spec.units} but the "
@@ -224,6 +228,17 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
     graph = gm.graph
     first, up, down = block.first, block.up, block.down
     up_w = up.weight_node if up is not None else None
+    if plan.selector == "gate":
+        with graph.inserting_before(down.node):
+            w2_t = _call(graph, fake_mode, torch.ops.aten.t.default, down.weight_node)
+            idx = _call(graph, fake_mode, OPS.select_gate.default, first.node, block.act, plan.k)
+            out = _call(graph, fake_mode, OPS.sparse_mlp_gated.default, block.input, idx,
+                        first.node, up_w, w2_t, down.bias_node, block.act)
+        _tag(block.layer, plan, idx, out)
+        down.node.replace_all_uses_with(out)
+        _erase_dead(graph, [down.node, *block.chain])
+        ctx.counters.add("sparse_mlp[gate]")
+        return
     with graph.inserting_before(down.node):
         w2_t = _call(graph, fake_mode, torch.ops.aten.t.default, down.weight_node)
         if plan.selector == "oracle":

@@ -146,3 +146,50 @@ def test_oracle_matches_masked_reference(tiny, arch):
         got = _decode_logits(compiled, ids)
     torch.testing.assert_close(got, want, **FP32)
     assert not torch.allclose(got, dense, atol=1e-3), "sparsity had no effect"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_gate_selector_matches_masked_reference(tiny, arch):
+    """selector 'gate': top-k neurons by |act(gate)|, then only their up/down rows."""
+    model = tiny(arch)
+    ids = prompt()
+    k = round(0.5 * model.config.intermediate_size)
+
+    def hooks():
+        handles = []
+        for layer in model.model.layers:
+            mlp, seen = layer.mlp, {}
+
+            def gate_out(mod, args, out, seen=seen):
+                seen["g"] = out
+
+            def mask(mod, args, seen=seen, mlp=mlp):
+                act = mlp.act_fn(seen["g"])
+                top = torch.zeros_like(act).scatter_(-1, act.abs().topk(k, -1).indices, 1.0)
+                return (args[0] * top,)
+
+            handles += [mlp.gate_proj.register_forward_hook(gate_out),
+                        mlp.down_proj.register_forward_pre_hook(mask)]
+        return handles
+
+    with torch.no_grad():
+        handles = []
+        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(hooks()))
+        for h in handles:
+            h.remove()
+        got = _decode_logits(torch.compile(model, backend="dejavu", options={
+            "selector": "gate", "mlp_density": 0.5}), ids)
+    torch.testing.assert_close(got, want, **FP32)
+    rep = dejavu_compile.report(model)
+    row = rep.layers[1].mlp
+    assert row.selector == "gate" and row.k == k
+    # the gate is read densely, up and down at the kept fraction
+    third = row.dense_bytes // 3
+    assert row.selector_bytes == third and abs(row.sparse_bytes - third) <= 1
+
+
+def test_gate_selector_needs_a_gated_mlp(tiny):
+    model = tiny("opt")
+    with torch.no_grad(), pytest.raises(Exception, match="needs a gated MLP"):
+        _decode_logits(torch.compile(model, backend="dejavu", options={
+            "selector": "gate", "mlp_density": 0.5}), prompt(), steps=1)

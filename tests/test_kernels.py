@@ -61,6 +61,24 @@ def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_mlp_gated_kernel(dtype, act, density, batch):
+    d, n, d_out = 37, 45, 29
+    k = max(1, round(density * n))
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    g = _rand(batch, 1, n, dtype=dtype, seed=1) * 4
+    w_up, w2_t = _rand(n, d, dtype=dtype, seed=2), _rand(n, d_out, dtype=dtype, seed=3)
+    b2 = _rand(d_out, dtype=dtype, seed=4)
+    idx = _selection(batch, n, k).view(batch, 1, k)
+    want = _ref64(ref.sparse_mlp_gated, x, idx, g, w_up, w2_t, b2, act)
+    got = sparse_mlp.sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_heads,head_dim,k", [(5, 8, 1), (6, 12, 3), (4, 16, 4)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("batch", [1, 2])

@@ -105,9 +105,27 @@ def test_predictor_selection_is_top_k_of_its_logits():
     assert torch.equal(idx, want)
 
 
+def test_gate_selector_and_gated_mlp():
+    x = _rand(2, 1, 12)
+    w_g, b_g, w_up, w2_t = _rand(30, 12, seed=1), _rand(30, seed=2), _rand(30, 12, seed=3), \
+        _rand(30, 9, seed=4)
+    g = x @ w_g.t() + b_g
+    idx = OPS.select_gate(g, "silu", 7)
+    want_idx = torch.nn.functional.silu(g).abs().view(2, 30).topk(7).indices.sort().values
+    assert torch.equal(idx.view(2, 7), want_idx)
+    # the gated MLP over the selected neurons is the dense one with the others zeroed
+    h = torch.nn.functional.silu(g) * (x @ w_up.t())
+    mask = torch.zeros_like(h).scatter_(-1, idx, 1.0)
+    torch.testing.assert_close(OPS.sparse_mlp_gated(x, idx, g, w_up, w2_t, None, "silu"),
+                               (h * mask) @ w2_t)
+
+
 @pytest.mark.parametrize(
     "name,args",
     [
+        ("select_gate", lambda: (_rand(1, 1, 8), "gelu_tanh", 3)),
+        ("sparse_mlp_gated", lambda: (_rand(1, 1, 8), torch.tensor([[[0, 3]]]), _rand(1, 1, 6),
+                                      _rand(6, 8), _rand(6, 5), None, "silu")),
         ("sparse_mlp", lambda: (_rand(1, 1, 8), torch.tensor([[[0, 3]]]), _rand(6, 8),
                                           _rand(6), None, _rand(6, 8), None, "relu")),
         ("select_mlp_oracle", lambda: (_rand(1, 1, 8), _rand(6, 8), None, _rand(6, 8),
