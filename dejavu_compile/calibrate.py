@@ -35,6 +35,8 @@ DENSITY_STEPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 CONTEXT = 256  # tokens per calibration sequence
 LR, BATCH = 1e-2, 128
 SENSITIVITY_TOKENS = 512  # tokens of calibration text each sensitivity forward pass scores
+CALIBRATION_SELECTORS = ("predictor", "gate")
+DEFAULT_SELECTORS = ("predictor",)
 
 
 @dataclass
@@ -251,50 +253,117 @@ def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predic
     return out
 
 
+@torch.no_grad()
+def gate_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
+                     progress: bool = True) -> dict[int, dict[float, float]]:
+    """Like ``loss_sensitivity`` for the gate selector: one layer's MLP keeps the top-k neurons
+    by |act(gate)| (gated MLPs only; others are left out)."""
+    from dejavu_compile.kernels.reference import activate
+
+    def loss() -> float:
+        return model(ids, labels=ids).loss.item()
+
+    base = loss()
+    out = {}
+    steps = [d for d in DENSITY_STEPS if d < 1.0]
+    gated = [t for t in traces if t.up is not None]
+    for trace in tqdm(gated, desc="gate sensitivity", disable=not progress, leave=False):
+        seen = {}
+
+        def keep_g(mod, args, output, seen=seen):
+            seen["g"] = output
+
+        out[trace.layer] = {1.0: 0.0}
+        for density in steps:
+            def mask_h(mod, args, density=density, seen=seen, act=trace.act):
+                h = args[0]
+                k = max(1, round(density * h.shape[-1]))
+                score = activate(seen["g"].float(), act).abs().reshape(-1, h.shape[-1])
+                return (h * top_mask(score, k).reshape(h.shape).to(h.dtype),)
+
+            handles = [trace.first.register_forward_hook(keep_g),
+                       trace.down.register_forward_pre_hook(mask_h)]
+            try:
+                out[trace.layer][density] = loss() - base
+            finally:
+                for handle in handles:
+                    handle.remove()
+    return out
+
+
+@torch.no_grad()
+def gate_recall(trace: MLPTrace, tokens: int = 2048) -> dict[float, float]:
+    """Recall of the true top-k (|h|) by the gate's top-k (|act(gate)|), per density step."""
+    from dejavu_compile.kernels.reference import activate
+
+    x, h = trace.x[:tokens].float(), trace.h[:tokens].float().abs()
+    g = activate(trace.first.float()(x) if trace.first.weight.dtype != torch.float32
+                 else trace.first(x), trace.act).abs()
+    return {d: recall_at(g, h, max(1, round(d * h.shape[1]))) for d in DENSITY_STEPS}
+
+
 def mlp_bytes(trace: MLPTrace) -> int:
     mods = [m for m in (trace.first, trace.up, trace.down) if m is not None]
     return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
 
 
-def allocate(errors: dict[int, dict[float, float]], dense_bytes: dict[int, int],
-             predictor_bytes: dict[int, int], target: float,
-             dense_layers: tuple[int, ...] = (0,)) -> dict[int, float]:
-    """Per-layer MLP density meeting ``target`` (bytes read, predictors included, as a fraction
-    of the dense MLP bytes), greedily: repeatedly take the density step with the least added
-    error (the measured loss increase) per byte saved. A layer left at 1.0 reads no predictor."""
-    density = {layer: 1.0 for layer in errors}
-    total = sum(dense_bytes.values())
+@dataclass(frozen=True)
+class Option:
+    """One way to run a layer's MLP: selector, density, bytes read per token, measured loss
+    increase."""
 
-    def cost(layer, d):
-        return dense_bytes[layer] if d >= 1.0 else d * dense_bytes[layer] + predictor_bytes[layer]
+    selector: str  # "dense" | "predictor" | "gate"
+    density: float
+    cost: float
+    error: float
 
-    def spent():
-        return sum(cost(layer, d) for layer, d in density.items()) / total
 
-    while spent() > target:
+def allocate_options(options: dict[int, list[Option]], target: float,
+                     dense_layers: tuple[int, ...] = (0,)) -> dict[int, Option]:
+    """Per layer, the option (selector and density) meeting ``target`` (bytes read, selectors
+    included, as a fraction of the dense MLP bytes), greedily: start dense and repeatedly take,
+    over all layers, the cheaper option with the least added error per byte saved."""
+    current = {layer: next(o for o in opts if o.selector == "dense")
+               for layer, opts in options.items()}
+    total = sum(o.cost for o in current.values())
+    while sum(o.cost for o in current.values()) > target * total:
         best, choice = math.inf, None
-        for layer, d in density.items():
+        for layer, opts in options.items():
             if layer in dense_layers:
                 continue
-            steps = [s for s in DENSITY_STEPS if s < d]
-            if not steps:
-                continue
-            nxt = steps[0]
-            saved = cost(layer, d) - cost(layer, nxt)
-            if saved <= 0:
-                # leaving 1.0 costs the predictor: look two steps ahead
-                if len(steps) < 2:
+            cur = current[layer]
+            for o in opts:
+                saved = cur.cost - o.cost
+                if saved <= 0:
                     continue
-                nxt = steps[1]
-                saved = cost(layer, d) - cost(layer, nxt)
-            added = errors[layer][nxt] - errors[layer].get(d, 0.0)
-            if added / saved < best:
-                best, choice = added / saved, (layer, nxt)
+                ratio = (o.error - cur.error) / saved
+                if ratio < best:
+                    best, choice = ratio, (layer, o)
         if choice is None:
             raise ValueError(f"target density {target} cannot be met with densities down to "
                              f"{DENSITY_STEPS[-1]}")
-        density[choice[0]] = choice[1]
-    return density
+        current[choice[0]] = choice[1]
+    return current
+
+
+def predictor_options(errors: dict[float, float], dense: int, predictor: int) -> list[Option]:
+    """The predictor's options for one layer: density d reads d of the MLP and the predictor."""
+    return [Option("dense", 1.0, dense, 0.0)] + [
+        Option("predictor", d, d * dense + predictor, errors[d]) for d in DENSITY_STEPS if d < 1.0]
+
+
+def gate_options(errors: dict[float, float], gate: int, rest: int) -> list[Option]:
+    """The gate selector's options: the gate read densely, up and down at density d."""
+    return [Option("gate", d, gate + d * rest, errors[d]) for d in DENSITY_STEPS if d < 1.0]
+
+
+def allocate(errors: dict[int, dict[float, float]], dense_bytes: dict[int, int],
+             predictor_bytes: dict[int, int], target: float,
+             dense_layers: tuple[int, ...] = (0,)) -> dict[int, float]:
+    """Per-layer predictor density meeting ``target`` (see ``allocate_options``)."""
+    options = {layer: predictor_options(errors[layer], dense_bytes[layer], predictor_bytes[layer])
+               for layer in errors}
+    return {layer: o.density for layer, o in allocate_options(options, target, dense_layers).items()}
 
 
 def uniform(errors: dict, dense_bytes: dict, predictor_bytes: dict, target: float,
@@ -310,6 +379,21 @@ def uniform(errors: dict, dense_bytes: dict, predictor_bytes: dict, target: floa
     return {layer: (1.0 if layer in dense_layers else round(d, 4)) for layer in errors}
 
 
+def uniform_gate(traces: list[MLPTrace], target: float,
+                 dense_layers: tuple[int, ...] = (0,)) -> dict[int, float]:
+    """The gate selector's uniform spread: one density for every sparse layer's up and down."""
+    dense = {t.layer: mlp_bytes(t) for t in traces}
+    gate = {t.layer: sum(p.numel() * p.element_size() for p in t.first.parameters())
+            for t in traces}
+    rest = [t.layer for t in traces if t.layer not in dense_layers]
+    fixed = sum(dense[layer] for layer in dense_layers if layer in dense)
+    left = target * sum(dense.values()) - fixed - sum(gate[layer] for layer in rest)
+    d = left / sum(dense[layer] - gate[layer] for layer in rest)
+    if not 0 < d <= 1:
+        raise ValueError(f"target {target} leaves uniform gate density {d:.3f}")
+    return {t.layer: (1.0 if t.layer in dense_layers else round(d, 4)) for t in traces}
+
+
 @dataclass
 class Calibration:
     profile: Profile
@@ -321,13 +405,21 @@ class Calibration:
 def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
               target_density: float = DEFAULT_TARGET_DENSITY, rank: int = DEFAULT_RANK,
               epochs: int = DEFAULT_EPOCHS, cache_dir: str | Path | None = None,
-              lookahead: bool = False, progress: bool = True) -> Calibration:
+              lookahead: bool = False, selectors: tuple[str, ...] = DEFAULT_SELECTORS,
+              progress: bool = True) -> Calibration:
     """Calibrate ``model`` on token ids [1, T]; write ``out`` (YAML) and its predictor file, and
     ``out``'s ``-uniform`` twin (same predictors, the same bytes spread uniformly).
 
     With ``lookahead``, the predictor of each layer after the first is trained on the previous
     layer's MLP input (paper section 4.3) and the profile says ``input: previous``; the first
-    layer's reads its own input."""
+    layer's reads its own input.
+
+    ``selectors`` are the candidates per layer: ``predictor`` (learned) and ``gate`` (gated
+    MLPs: the gate projection read densely selects); the allocation picks, per layer, the
+    selector and density that save the most bytes for the least measured loss."""
+    unknown = set(selectors) - set(CALIBRATION_SELECTORS)
+    if unknown or not selectors:
+        raise ValueError(f"selectors must be among {CALIBRATION_SELECTORS}, got {selectors}")
     out = Path(out)
     traces = record(model, ids, Path(cache_dir) if cache_dir else None, progress)
     # the trace each predictor reads its input from
@@ -337,33 +429,48 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             if prev.layer == trace.layer - 1:
                 inputs[trace.layer] = prev
     sources = {layer: t.first for layer, t in inputs.items()}
-    predictors, quality, trained, dense_b, pred_b = {}, {}, {}, {}, {}
-    for trace in tqdm(traces, desc="train", disable=not progress, leave=False):
+    predictors, trained, pred_b = {}, {}, {}
+    dense_b = {trace.layer: mlp_bytes(trace) for trace in traces}
+    quality: dict[int, dict] = {trace.layer: {} for trace in traces}
+    learned = traces if "predictor" in selectors else []
+    for trace in tqdm(learned, desc="train", disable=not progress, leave=False):
         pred, q = train_predictor(dataclasses.replace(trace, x=inputs[trace.layer].x), rank, epochs)
         trained[trace.layer] = pred
         recalls = recall_by_density(pred, q)
         predictors.update(pred.tensors(f"layers.{trace.layer}.mlp."))
-        dense_b[trace.layer] = mlp_bytes(trace)
         esize = trace.first.weight.element_size()
         pred_b[trace.layer] = sum(p.numel() for p in pred.parameters()) * esize
-        quality[trace.layer] = {"recall": q["recall"], "precision": q["precision"],
-                                "recall_by_density": recalls}
+        quality[trace.layer].update(recall=q["recall"], precision=q["precision"],
+                                    recall_by_density=recalls)
         log.info("layer %d: recall %.3f precision %.3f", trace.layer, q["recall"], q["precision"])
     # Allocation spends the budget where the measured loss grows least per byte saved (the
     # block's own relative output error was tried first: it pushed the last layers of
     # SmolLM2-135M to density 0.3 and lost to the uniform spread, +33.5% vs +14.0% perplexity).
-    errors = loss_sensitivity(model, traces, trained, ids[:, :SENSITIVITY_TOKENS], progress,
-                              sources)
+    sample = ids[:, :SENSITIVITY_TOKENS]
+    errors = loss_sensitivity(model, learned, trained, sample, progress, sources)
+    options = {t.layer: [Option("dense", 1.0, dense_b[t.layer], 0.0)] for t in traces}
     for layer, deltas in errors.items():
         quality[layer]["loss_increase"] = deltas
+        options[layer] = predictor_options(deltas, dense_b[layer], pred_b[layer])
+    if "gate" in selectors:
+        for layer, deltas in gate_sensitivity(model, traces, sample, progress).items():
+            trace = next(t for t in traces if t.layer == layer)
+            gate = sum(p.numel() * p.element_size() for p in trace.first.parameters())
+            options[layer] += gate_options(deltas, gate, dense_b[layer] - gate)
+            quality[layer]["gate_loss_increase"] = deltas
+            quality[layer]["gate_recall_by_density"] = gate_recall(trace)
     ident = ModelIdentity.from_config(model.config, name)
 
-    def build(densities: dict[int, float], path: Path) -> Profile:
+    def build(chosen: dict[int, Option], path: Path) -> Profile:
         layers = []
         for layer in range(ident.num_layers):
-            d = densities.get(layer, 1.0)
+            opt = chosen.get(layer)
+            d = opt.density if opt is not None and opt.selector != "dense" else 1.0
             mlp = BlockProfile()
-            if d < 1.0:
+            if d < 1.0 and opt.selector == "gate":
+                mlp = BlockProfile(selector="gate", density=d, units=ident.intermediate_size,
+                                   recall=quality[layer]["gate_recall_by_density"].get(d))
+            elif d < 1.0:
                 # Recall of the true top-k at the chosen density; with predicted and true sets of
                 # the same size k, precision equals recall, so it is stored only for training's k.
                 # (The uniform twin's densities fall between the measured steps: no recall.)
@@ -375,13 +482,23 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                                    precision=quality[layer]["precision"])
             layers.append(LayerProfile(index=layer, mlp=mlp))
         used = {k: v for k, v in predictors.items()
-                if densities.get(int(k.split(".")[1]), 1.0) < 1.0}
+                if (o := chosen.get(int(k.split(".")[1]))) is not None
+                and o.selector == "predictor"}
         prof = Profile(model=ident, layers=tuple(layers),
                        predictor_file=f"{path.stem}.safetensors" if used else None)
         return save_profile(prof, path, used or None)
 
-    adaptive = build(allocate(errors, dense_b, pred_b, target_density), out)
-    flat = build(uniform(errors, dense_b, pred_b, target_density),
+    chosen = allocate_options(options, target_density)
+    adaptive = build(chosen, out)
+    # the uniform twin spreads the same budget evenly, with the selector most layers chose
+    kinds = [o.selector for o in chosen.values() if o.selector != "dense"]
+    kind = max(set(kinds), key=kinds.count) if kinds else selectors[0]
+    if kind == "gate":
+        spread = uniform_gate(traces, target_density)
+    else:
+        spread = uniform(errors, dense_b, pred_b, target_density)
+    flat = build({layer: Option(kind if d < 1.0 else "dense", d, 0.0, 0.0)
+                  for layer, d in spread.items()},
                  out.with_name(f"{out.stem}-uniform{out.suffix}"))
     return Calibration(adaptive, flat, predictors, quality)
 

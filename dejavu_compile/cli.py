@@ -61,12 +61,11 @@ def _calibrate(args) -> int:
     cal = calibrate.calibrate(loaded.model, ids, loaded.name, args.out,
                               target_density=args.target_density, rank=args.rank,
                               epochs=args.epochs, cache_dir=args.cache,
-                              lookahead=args.lookahead)
+                              lookahead=args.lookahead, selectors=tuple(args.selectors))
     for layer in cal.profile.layers:
         q = cal.quality.get(layer.index, {})
-        print(f"layer {layer.index:>2}: MLP density {layer.mlp.density:.2f}  "
-              f"recall {q.get('recall', float('nan')):.3f}  "
-              f"precision {q.get('precision', float('nan')):.3f}")
+        print(f"layer {layer.index:>2}: MLP {layer.mlp.selector:<9} density "
+              f"{layer.mlp.density:.2f}  predictor recall {q.get('recall', float('nan')):.3f}")
     print(f"wrote {cal.profile.path} and {cal.uniform_profile.path}")
     return 0
 
@@ -166,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dejavu", description="contextual sparsity for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from .calibrate import DEFAULT_EPOCHS, DEFAULT_RANK, DEFAULT_TARGET_DENSITY, DEFAULT_TOKENS
+    from .calibrate import (
+        CALIBRATION_SELECTORS,
+        DEFAULT_EPOCHS,
+        DEFAULT_RANK,
+        DEFAULT_SELECTORS,
+        DEFAULT_TARGET_DENSITY,
+        DEFAULT_TOKENS,
+    )
 
     p = sub.add_parser("calibrate", help="train predictors, choose densities, write a profile")
     p.add_argument("model", help="smollm2-135m, gemma3-270m, a .gguf file or a HF directory")
@@ -179,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     p.add_argument("--cache", help="folder for recorded activations (a rerun resumes from it)")
     p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--selectors", nargs="+", choices=CALIBRATION_SELECTORS,
+                   default=list(DEFAULT_SELECTORS),
+                   help="candidate selectors per layer: the allocation picks one per layer")
     p.set_defaults(fn=_calibrate)
 
     p = sub.add_parser("eval", help="perplexity and agreement: dense, oracle, profile")

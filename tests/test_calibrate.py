@@ -100,3 +100,35 @@ def test_evaluate_profile_reports_the_eval_keys(tiny, tmp_path):
     assert 0.0 <= out["top1_agreement"] <= 1.0
     plot_layers(out, tmp_path / "layers.png")
     assert (tmp_path / "layers.png").stat().st_size > 1000
+
+
+def test_allocation_picks_the_selector_per_layer():
+    # layer 1: the predictor is cheap and accurate; layer 2: the predictor is useless but the
+    # gate selector is accurate (it reads the gate, a third of the bytes, densely)
+    steps = [d for d in cal.DENSITY_STEPS if d < 1.0]
+    opts = {
+        0: cal.predictor_options({d: 0.0 for d in steps}, 300, 10),
+        1: cal.predictor_options({d: 0.01 * (1 - d) for d in steps}, 300, 10)
+        + cal.gate_options({d: 0.05 * (1 - d) for d in steps}, 100, 200),
+        2: cal.predictor_options({d: 5.0 * (1 - d) for d in steps}, 300, 10)
+        + cal.gate_options({d: 0.02 * (1 - d) for d in steps}, 100, 200),
+    }
+    chosen = cal.allocate_options(opts, target=0.75)
+    assert chosen[0].selector == "dense"
+    assert chosen[1].selector == "predictor" and chosen[2].selector == "gate"
+    assert sum(o.cost for o in chosen.values()) <= 0.75 * 900
+
+
+def test_calibration_with_gate_selector(tiny, tmp_path):
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    result = cal.calibrate(model, ids, "tiny-llama", tmp_path / "gate.yaml", target_density=0.8,
+                           selectors=("gate",), progress=False)
+    layer = result.profile.layer(1).mlp
+    assert layer.selector == "gate" and layer.density < 1.0 and 0 <= layer.recall <= 1
+    assert result.profile.predictor_file is None
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu",
+                                     options={"profile": str(tmp_path / "gate.yaml")}), prompt())
+    assert dejavu_compile.report(model).counters["sparse_mlp[gate]"] >= 1
+    assert load_profile(tmp_path / "gate-uniform.yaml").layer(1).mlp.selector == "gate"
