@@ -35,7 +35,7 @@ DENSITY_STEPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 CONTEXT = 256  # tokens per calibration sequence
 LR, BATCH = 1e-2, 128
 SENSITIVITY_TOKENS = 512  # tokens of calibration text each sensitivity forward pass scores
-CALIBRATION_SELECTORS = ("predictor", "gate")
+CALIBRATION_SELECTORS = ("predictor", "gate", "threshold")
 DEFAULT_SELECTORS = ("predictor",)
 
 
@@ -292,6 +292,38 @@ def gate_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
 
 
 @torch.no_grad()
+def threshold_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
+                          progress: bool = True) -> dict[int, dict[float, float]]:
+    """Like ``loss_sensitivity`` for the training-free threshold selector (TEAL): one layer's
+    MLP projections each keep their largest-magnitude input activations, the density's fraction
+    per token (a per-token quantile threshold: decode graphs need a static count)."""
+
+    def loss() -> float:
+        return model(ids, labels=ids).loss.item()
+
+    def keep_top(t, density):
+        k = max(1, round(density * t.shape[-1]))
+        flat = t.reshape(-1, t.shape[-1])
+        return (t * top_mask(flat.abs().float(), k).reshape(t.shape).to(t.dtype),)
+
+    base = loss()
+    out = {}
+    steps = [d for d in DENSITY_STEPS if d < 1.0]
+    for trace in tqdm(traces, desc="threshold sensitivity", disable=not progress, leave=False):
+        out[trace.layer] = {1.0: 0.0}
+        mods = [m for m in (trace.first, trace.up, trace.down) if m is not None]
+        for density in steps:
+            handles = [m.register_forward_pre_hook(
+                lambda mod, args, density=density: keep_top(args[0], density)) for m in mods]
+            try:
+                out[trace.layer][density] = loss() - base
+            finally:
+                for handle in handles:
+                    handle.remove()
+    return out
+
+
+@torch.no_grad()
 def gate_recall(trace: MLPTrace, tokens: int = 2048) -> dict[float, float]:
     """Recall of the true top-k (|h|) by the gate's top-k (|act(gate)|), per density step."""
     from dejavu_compile.kernels.reference import activate
@@ -414,8 +446,9 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     layer's MLP input (paper section 4.3) and the profile says ``input: previous``; the first
     layer's reads its own input.
 
-    ``selectors`` are the candidates per layer: ``predictor`` (learned) and ``gate`` (gated
-    MLPs: the gate projection read densely selects); the allocation picks, per layer, the
+    ``selectors`` are the candidates per layer: ``predictor`` (learned), ``gate`` (gated MLPs:
+    the gate projection read densely selects) and ``threshold`` (TEAL, training-free: every
+    projection keeps its largest-magnitude inputs); the allocation picks, per layer, the
     selector and density that save the most bytes for the least measured loss."""
     unknown = set(selectors) - set(CALIBRATION_SELECTORS)
     if unknown or not selectors:
@@ -446,7 +479,9 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     # Allocation spends the budget where the measured loss grows least per byte saved (the
     # block's own relative output error was tried first: it pushed the last layers of
     # SmolLM2-135M to density 0.3 and lost to the uniform spread, +33.5% vs +14.0% perplexity).
-    sample = ids[:, :SENSITIVITY_TOKENS]
+    # one sequence per forward pass: no longer than the model's context
+    context = getattr(model.config, "max_position_embeddings", None) or SENSITIVITY_TOKENS
+    sample = ids[:, :min(SENSITIVITY_TOKENS, context)]
     errors = loss_sensitivity(model, learned, trained, sample, progress, sources)
     options = {t.layer: [Option("dense", 1.0, dense_b[t.layer], 0.0)] for t in traces}
     for layer, deltas in errors.items():
@@ -459,6 +494,11 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             options[layer] += gate_options(deltas, gate, dense_b[layer] - gate)
             quality[layer]["gate_loss_increase"] = deltas
             quality[layer]["gate_recall_by_density"] = gate_recall(trace)
+    if "threshold" in selectors:
+        for layer, deltas in threshold_sensitivity(model, traces, sample, progress).items():
+            options[layer] += [Option("threshold", d, d * dense_b[layer], deltas[d])
+                               for d in DENSITY_STEPS if d < 1.0]
+            quality[layer]["threshold_loss_increase"] = deltas
     ident = ModelIdentity.from_config(model.config, name)
 
     def build(chosen: dict[int, Option], path: Path) -> Profile:
@@ -467,7 +507,10 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             opt = chosen.get(layer)
             d = opt.density if opt is not None and opt.selector != "dense" else 1.0
             mlp = BlockProfile()
-            if d < 1.0 and opt.selector == "gate":
+            if d < 1.0 and opt.selector == "threshold":
+                mlp = BlockProfile(selector="threshold", density=d,
+                                   units=ident.intermediate_size)
+            elif d < 1.0 and opt.selector == "gate":
                 mlp = BlockProfile(selector="gate", density=d, units=ident.intermediate_size,
                                    recall=quality[layer]["gate_recall_by_density"].get(d))
             elif d < 1.0:
@@ -495,6 +538,10 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     kind = max(set(kinds), key=kinds.count) if kinds else selectors[0]
     if kind == "gate":
         spread = uniform_gate(traces, target_density)
+    elif kind == "threshold":  # no selector bytes: the budget itself, less the dense layers
+        rest = sum(dense_b[t.layer] for t in traces if t.layer != 0)
+        d = (target_density * sum(dense_b.values()) - dense_b.get(0, 0)) / rest
+        spread = {t.layer: 1.0 if t.layer == 0 else round(d, 4) for t in traces}
     else:
         spread = uniform(errors, dense_b, pred_b, target_density)
     flat = build({layer: Option(kind if d < 1.0 else "dense", d, 0.0, 0.0)

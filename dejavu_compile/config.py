@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SELECTORS = ("oracle", "predictor", "fixed", "gate")
+SELECTORS = ("oracle", "predictor", "fixed", "gate", "threshold")
 GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -36,8 +36,10 @@ class DejavuOptions:
         units every token: no selection at all, to time the sparse ops alone; its outputs are
         not meant to be good) or ``"gate"`` (gated MLPs only: the gate projection, read densely,
         selects the neurons by |act(gate)|; then only their rows of the up projection and of the
-        down projection are read). With a profile, ``"oracle"``, ``"fixed"`` or ``"gate"``
-        replaces its selectors at the profile's densities.
+        down projection are read) or ``"threshold"`` (TEAL, training-free: each MLP projection
+        reads only the weights of its largest-magnitude input activations, the density's
+        fraction of them per token). With a profile, ``"oracle"``, ``"fixed"``, ``"gate"`` or
+        ``"threshold"`` replaces its selectors at the profile's densities.
     mlp_density / attention_density: fraction of MLP neurons / attention heads kept per decoded
         token when no profile is given; ``None`` leaves that block dense.
     attention_granularity: ``"head"`` (query heads) or ``"group"`` (whole KV groups of
@@ -92,9 +94,9 @@ class DejavuOptions:
                 )
             if self.selector == "predictor":
                 raise ValueError("selector 'predictor' needs a profile with predictor weights")
-            if self.selector == "gate" and self.attention_density is not None:
-                raise ValueError("selector 'gate' selects MLP neurons; it has no attention form "
-                                 "(leave attention_density unset)")
+            if self.selector in ("gate", "threshold") and self.attention_density is not None:
+                raise ValueError(f"selector {self.selector!r} is for MLP blocks; it has no "
+                                 "attention form (leave attention_density unset)")
             if self.lookahead:
                 raise ValueError("option 'lookahead' needs a profile whose predictors were "
                                  "calibrated with lookahead (dejavu calibrate --lookahead)")

@@ -33,7 +33,7 @@ import torch
 import yaml
 
 PROFILE_VERSION = 1
-BLOCK_SELECTORS = ("dense", "oracle", "predictor", "gate")
+BLOCK_SELECTORS = ("dense", "oracle", "predictor", "gate", "threshold")
 PREDICTOR_INPUTS = ("same", "previous")
 PREDICTOR_ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
 BLOCK_KINDS = ("mlp", "attention")
@@ -136,9 +136,9 @@ class LayerProfile:
     attention: BlockProfile = field(default_factory=BlockProfile)
 
     def __post_init__(self) -> None:
-        if self.attention.selector == "gate":
+        if self.attention.selector in ("gate", "threshold"):
             raise ProfileError(f"profile: layer {self.index}, attention field 'selector' is "
-                               "'gate', which only MLP blocks have")
+                               f"{self.attention.selector!r}, which only MLP blocks have")
 
     def block(self, kind: str) -> BlockProfile:
         return self.mlp if kind == "mlp" else self.attention

@@ -235,6 +235,15 @@ def _mlp_row(ctx, block, plan) -> BlockRow:
         selector = _predictor_bytes(ctx, block.layer, "mlp")
     elif plan.selector == "fixed":
         selector = 0
+    elif plan.selector == "threshold":
+        # each projection reads the rows of its kept inputs: k_in of d for the first
+        # projection(s), k of N for the down projection; magnitudes cost no weight reads
+        k_in = max(1, min(block.hidden_size, round(plan.density * block.hidden_size)))
+        firsts = [block.first] + ([block.up] if block.up is not None else [])
+        sparse = sum(round(k_in / block.hidden_size * _weights(lin)) + _nbytes(lin.bias)
+                     for lin in firsts)
+        sparse += round(frac * _weights(block.down)) + _nbytes(block.down.bias)
+        selector = 0
     elif plan.selector == "gate":
         # the gate is read densely (it selects); up and down only for the kept neurons
         selector = block.first.nbytes()

@@ -160,6 +160,17 @@ def _(attn, idx, wo_t, b, head_dim):
     return attn.new_empty(*attn.shape[:-1], wo_t.shape[1])
 
 
+@torch.library.custom_op(f"{_LIB}::select_magnitude", mutates_args=())
+def select_magnitude(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k input activations of largest magnitude (TEAL's selector with a static count)."""
+    return ref.select_magnitude(x, k)
+
+
+@select_magnitude.register_fake
+def _(x, k):
+    return _ids_like(x, k)
+
+
 @torch.library.custom_op(f"{_LIB}::select_gate", mutates_args=())
 def select_gate(g: torch.Tensor, act: str, k: int) -> torch.Tensor:
     """The gate projection as selector: top-k neurons by |act(gate pre-activation)|."""
@@ -191,5 +202,6 @@ def _(x, idx, g, w_up, w2_t, b2, act):
     return x.new_empty(*x.shape[:-1], w2_t.shape[1])
 
 
-SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor, predict_ahead, select_gate)
+SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor, predict_ahead, select_gate,
+             select_magnitude)
 SPARSE_OPS = (sparse_mlp, sparse_head_proj, sparse_head_out, sparse_mlp_gated)

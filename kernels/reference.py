@@ -76,6 +76,13 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
     return out.to(x.dtype).reshape(*x.shape[:-1], w2_t.shape[1])
 
 
+def select_magnitude(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Training-free selection on a projection's input activations (TEAL): the ``k`` entries of
+    each row of ``x`` [..., n] with the largest magnitude. Returns [..., k]."""
+    rows = x.reshape(-1, x.shape[-1]).abs()
+    return topk_indices(rows, k).reshape(*x.shape[:-1], k)
+
+
 def select_gate(g: torch.Tensor, act: str, k: int) -> torch.Tensor:
     """The gate as selector: top-``k`` neurons by |act(g)|, ``g`` [..., N] the dense gate
     pre-activations (bias included). Returns [..., k]."""

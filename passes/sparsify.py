@@ -121,7 +121,7 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                 density = opts.mlp_density if kind == "mlp" else opts.attention_density
                 spec = BlockProfile(selector="oracle", density=density) if density else BlockProfile()
             selector = spec.selector
-            if selector != "dense" and opts.selector in ("oracle", "fixed", "gate"):
+            if selector != "dense" and opts.selector in ("oracle", "fixed", "gate", "threshold"):
                 selector = opts.selector
             reason = ""
             if selector == "dense":
@@ -228,6 +228,9 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
     graph = gm.graph
     first, up, down = block.first, block.up, block.down
     up_w = up.weight_node if up is not None else None
+    if plan.selector == "threshold":
+        _rewrite_mlp_threshold(gm, ctx, block, plan, fake_mode)
+        return
     if plan.selector == "gate":
         with graph.inserting_before(down.node):
             w2_t = _call(graph, fake_mode, torch.ops.aten.t.default, down.weight_node)
@@ -256,6 +259,36 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
     down.node.replace_all_uses_with(out)
     _erase_dead(graph, [down.node, *block.chain])
     ctx.counters.add(f"sparse_mlp[{plan.selector}]")
+
+
+def _rewrite_mlp_threshold(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
+    """TEAL: each projection reads only the rows (of its transposed weight) of its input's
+    largest-magnitude activations: ``k_in`` of the d input channels for the first projection(s),
+    ``plan.k`` of the N hidden units for the down projection. The activation (and gate product)
+    nodes of the graph stay as they are, fed by the sparse projections."""
+    graph = gm.graph
+    hidden = block.down.input
+    k_in = units_for(plan.density, block.hidden_size)
+    with graph.inserting_before(block.first.node):
+        ix = _call(graph, fake_mode, OPS.select_magnitude.default, block.input, k_in)
+        _tag(block.layer, plan, ix)
+        for lin in [block.first] + ([block.up] if block.up is not None else []):
+            w_t = _call(graph, fake_mode, torch.ops.aten.t.default, lin.weight_node)
+            y = _call(graph, fake_mode, OPS.sparse_head_out.default, block.input, ix, w_t,
+                      lin.bias_node, 1)
+            _tag(block.layer, plan, y)
+            lin.node.replace_all_uses_with(y)
+    with graph.inserting_before(block.down.node):
+        ih = _call(graph, fake_mode, OPS.select_magnitude.default, hidden, plan.k)
+        w_t = _call(graph, fake_mode, torch.ops.aten.t.default, block.down.weight_node)
+        out = _call(graph, fake_mode, OPS.sparse_head_out.default, hidden, ih, w_t,
+                    block.down.bias_node, 1)
+    _tag(block.layer, plan, ih, out)
+    block.down.node.replace_all_uses_with(out)
+    linears = [block.first.node, block.down.node] + ([block.up.node] if block.up else [])
+    for node in linears:
+        graph.erase_node(node)
+    ctx.counters.add("sparse_mlp[threshold]")
 
 
 def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:

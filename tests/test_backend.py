@@ -193,3 +193,39 @@ def test_gate_selector_needs_a_gated_mlp(tiny):
     with torch.no_grad(), pytest.raises(Exception, match="needs a gated MLP"):
         _decode_logits(torch.compile(model, backend="dejavu", options={
             "selector": "gate", "mlp_density": 0.5}), prompt(), steps=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_threshold_selector_matches_masked_reference(tiny, arch):
+    """selector 'threshold' (TEAL): every MLP projection keeps its largest-magnitude inputs."""
+    model = tiny(arch)
+    ids = prompt()
+
+    def keep_top(t, k):
+        return t * torch.zeros_like(t).scatter_(-1, t.abs().topk(k, -1).indices, 1.0)
+
+    def hooks():
+        handles = []
+        for layer in (model.model.layers if arch != "opt" else model.model.decoder.layers):
+            if arch == "opt":
+                firsts, down = [layer.fc1], layer.fc2
+            else:
+                firsts, down = [layer.mlp.gate_proj, layer.mlp.up_proj], layer.mlp.down_proj
+            for lin in firsts:
+                handles.append(lin.register_forward_pre_hook(
+                    lambda mod, args: (keep_top(args[0], round(0.5 * args[0].shape[-1])),)))
+            handles.append(down.register_forward_pre_hook(
+                lambda mod, args: (keep_top(args[0], round(0.5 * args[0].shape[-1])),)))
+        return handles
+
+    with torch.no_grad():
+        handles = []
+        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(hooks()))
+        for h in handles:
+            h.remove()
+        got = _decode_logits(torch.compile(model, backend="dejavu", options={
+            "selector": "threshold", "mlp_density": 0.5}), ids)
+    torch.testing.assert_close(got, want, **FP32)
+    row = dejavu_compile.report(model).layers[1].mlp
+    assert row.selector == "threshold" and row.selector_bytes == 0
+    assert 0.45 * row.dense_bytes < row.sparse_bytes < 0.55 * row.dense_bytes

@@ -132,3 +132,16 @@ def test_calibration_with_gate_selector(tiny, tmp_path):
                                      options={"profile": str(tmp_path / "gate.yaml")}), prompt())
     assert dejavu_compile.report(model).counters["sparse_mlp[gate]"] >= 1
     assert load_profile(tmp_path / "gate-uniform.yaml").layer(1).mlp.selector == "gate"
+
+
+def test_calibration_with_threshold_selector(tiny, tmp_path):
+    model = tiny("opt")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    result = cal.calibrate(model, ids, "tiny-opt", tmp_path / "teal.yaml", target_density=0.8,
+                           selectors=("threshold",), progress=False)
+    layer = result.profile.layer(1).mlp
+    assert layer.selector == "threshold" and layer.density <= 0.6  # layer 0 stays dense
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu",
+                                     options={"profile": str(tmp_path / "teal.yaml")}), prompt())
+    assert dejavu_compile.report(model).counters["sparse_mlp[threshold]"] >= 1

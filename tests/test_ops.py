@@ -124,6 +124,7 @@ def test_gate_selector_and_gated_mlp():
     "name,args",
     [
         ("select_gate", lambda: (_rand(1, 1, 8), "gelu_tanh", 3)),
+        ("select_magnitude", lambda: (_rand(2, 1, 8), 3)),
         ("sparse_mlp_gated", lambda: (_rand(1, 1, 8), torch.tensor([[[0, 3]]]), _rand(1, 1, 6),
                                       _rand(6, 8), _rand(6, 5), None, "silu")),
         ("sparse_mlp", lambda: (_rand(1, 1, 8), torch.tensor([[[0, 3]]]), _rand(6, 8),
