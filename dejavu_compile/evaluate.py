@@ -97,6 +97,7 @@ def evaluate_profile(model, chunks: list[torch.Tensor], profile, prefix: int = D
         "bytes_per_token_sparse": rep.bytes_sparse,
         "mlp_bytes_fraction": mlp_byte_fraction(rep),
         "layers": [{"layer": r.layer, "mlp_density": r.mlp.kept if r.mlp else 1.0,
+                    "selector": r.mlp.selector if r.mlp else "dense",
                     "recall": profile.layer(r.layer).mlp.recall} for r in rep.layers],
     }
 
