@@ -4,7 +4,11 @@ Only decode graphs are rewritten: those whose queries are one new token per sequ
 prefill (several new tokens, static or symbolic) stay dense and say so in the report.
 
 MLP: ``down(act(first(x)) [* up(x)])`` becomes ``sparse_mlp(x, idx, ...)`` with ``idx`` from the
-oracle (true top-k) or the layer's predictor. Attention: the query projection becomes
+oracle (true top-k), the layer's predictor or fixed ids; with the ``gate`` selector the gate
+projection stays dense and feeds ``select_gate`` and ``sparse_mlp_gated`` (only the kept rows of
+up and down are read); with ``threshold`` (TEAL) each projection becomes an input-gathered GEMV
+over its largest-magnitude inputs (``select_magnitude`` + ``sparse_head_out`` with one unit per
+row), the activation nodes in between unchanged. Attention: the query projection becomes
 ``sparse_head_proj`` (zeros for unselected heads, so the attention code in between is unchanged)
 and the output projection ``sparse_head_out``; keys and values stay dense so the KV cache is
 complete. The oracle needs the dense attention output to rank heads, so with it only the output
