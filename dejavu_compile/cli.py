@@ -64,8 +64,10 @@ def _calibrate(args) -> int:
                               lookahead=args.lookahead, selectors=tuple(args.selectors))
     for layer in cal.profile.layers:
         q = cal.quality.get(layer.index, {})
+        recall = layer.mlp.recall if layer.mlp.recall is not None else float("nan")
         print(f"layer {layer.index:>2}: MLP {layer.mlp.selector:<9} density "
-              f"{layer.mlp.density:.2f}  predictor recall {q.get('recall', float('nan')):.3f}")
+              f"{layer.mlp.density:.2f}  recall at that density {recall:.3f}  "
+              f"(predictor at half: {q.get('recall', float('nan')):.3f})")
     print(f"wrote {cal.profile.path} and {cal.uniform_profile.path}")
     return 0
 
