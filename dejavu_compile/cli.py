@@ -64,10 +64,12 @@ def _calibrate(args) -> int:
                               lookahead=args.lookahead, selectors=tuple(args.selectors))
     for layer in cal.profile.layers:
         q = cal.quality.get(layer.index, {})
-        recall = layer.mlp.recall if layer.mlp.recall is not None else float("nan")
-        print(f"layer {layer.index:>2}: MLP {layer.mlp.selector:<9} density "
-              f"{layer.mlp.density:.2f}  recall at that density {recall:.3f}  "
-              f"(predictor at half: {q.get('recall', float('nan')):.3f})")
+        line = f"layer {layer.index:>2}: MLP {layer.mlp.selector:<9} density {layer.mlp.density:.2f}"
+        if layer.mlp.recall is not None:
+            line += f"  recall at that density {layer.mlp.recall:.3f}"
+        if "recall" in q:
+            line += f"  (predictor recall at density {calibrate.TRAIN_DENSITY}: {q['recall']:.3f})"
+        print(line)
     print(f"wrote {cal.profile.path} and {cal.uniform_profile.path}")
     return 0
 
