@@ -78,3 +78,18 @@ def test_retrieval_harness_on_smollm2():
     assert sel.kept_tokens == round(0.5 * trial.ids.shape[1])
     _, sel = kv.generate(loaded.model, trial.ids, 2, "scored", keep=0.3)
     assert sel.kept_tokens == kv.budget_for(trial.ids.shape[1], 0.3)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "gemma3-270m.yaml"])
+def test_shipped_profiles_fit_their_models(name):
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "profiles" / name
+    profile = dejavu_compile.load_profile(path)
+    loaded = load_model(profile.model.name)
+    ids = loaded.encode(documentation_text("held_out"), 16)
+    with torch.no_grad():
+        dejavu_compile.compile(loaded.model, profile=str(path), inner="eager")
+        _decode_logits(loaded.model, ids, steps=1)
+    rep = dejavu_compile.report(loaded.model)
+    assert [r.mlp.selector for r in rep.layers] == [layer.mlp.selector for layer in profile.layers]
