@@ -435,12 +435,14 @@ def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: 
 
     import dejavu_compile
 
+    from .plan import ModelBytes
+
     workdir = Path(workdir or tempfile.mkdtemp())
     point = OPERATING_POINTS[name]
     model = random_model(cfg)
     dejavu_compile.backend.register_model(model)
-    kv_per_token = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) \
-        * 2 * cfg.num_hidden_layers
+    shape = ModelBytes.from_config(cfg, name)  # fp16, as random_model builds it
+    kv_per_token = shape.kv_bytes_per_token * shape.num_layers
     rows, weights = [], {}
     for pipeline, (mlp, att) in (("dense", (1.0, 1.0)), ("projection", (point["mlp"],
                                                                           point["attention"]))):

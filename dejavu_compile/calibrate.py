@@ -210,41 +210,29 @@ def recall_by_density(pred: Predictor, quality: dict) -> dict[float, float]:
     return {d: recall_at(scores, h, max(1, round(d * h.shape[1]))) for d in DENSITY_STEPS}
 
 
+def _keep_top(t: torch.Tensor, scores: torch.Tensor, density: float) -> torch.Tensor:
+    """``t`` [..., N] with all but each row's top ``density`` of ``scores`` [rows, N] zeroed."""
+    k = max(1, round(density * t.shape[-1]))
+    return t * top_mask(scores, k).reshape(t.shape).to(t.dtype)
+
+
 @torch.no_grad()
-def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predictor],
-                     ids: torch.Tensor, progress: bool = True,
-                     sources: dict[int, torch.nn.Module] | None = None,
-                     ) -> dict[int, dict[float, float]]:
-    """Measured sensitivity: the increase of the model's mean next-token loss on ``ids`` [1, T]
-    when one layer's MLP keeps only its predictor's top-k neurons (every other layer dense),
-    per layer and density step. One forward pass per (layer, density). ``sources`` names, per
-    layer, the module whose input the predictor reads (default: the layer's first projection;
-    with lookahead, the previous layer's)."""
+def _sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor, desc: str, hooks,
+                 progress: bool) -> dict[int, dict[float, float]]:
+    """The increase of the model's mean next-token loss on ``ids`` [1, T] when one layer at a
+    time runs a selector at each density step below 1.0 (every other layer dense): one forward
+    pass per (layer, density). ``hooks(trace, density)`` installs the selector and returns the
+    hook handles, removed after the pass."""
 
     def loss() -> float:
         return model(ids, labels=ids).loss.item()
 
     base = loss()
     out = {}
-    steps = [d for d in DENSITY_STEPS if d < 1.0]
-    for trace in tqdm(traces, desc="sensitivity", disable=not progress, leave=False):
-        pred, seen = predictors[trace.layer], {}
-
-        def keep_x(mod, args, seen=seen):
-            seen["x"] = args[0]
-
+    for trace in tqdm(traces, desc=desc, disable=not progress, leave=False):
         out[trace.layer] = {1.0: 0.0}
-        for density in steps:
-            def mask_h(mod, args, density=density, pred=pred, seen=seen):
-                h = args[0]
-                k = max(1, round(density * h.shape[-1]))
-                scores = pred(seen["x"].reshape(-1, seen["x"].shape[-1]).float())
-                keep = top_mask(scores, k).reshape(h.shape).to(h.dtype)
-                return (h * keep,)
-
-            source = (sources or {}).get(trace.layer, trace.first)
-            handles = [source.register_forward_pre_hook(keep_x),
-                       trace.down.register_forward_pre_hook(mask_h)]
+        for density in (d for d in DENSITY_STEPS if d < 1.0):
+            handles = hooks(trace, density)
             try:
                 out[trace.layer][density] = loss() - base
             finally:
@@ -253,74 +241,72 @@ def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predic
     return out
 
 
-@torch.no_grad()
+def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predictor],
+                     ids: torch.Tensor, progress: bool = True,
+                     sources: dict[int, torch.nn.Module] | None = None,
+                     ) -> dict[int, dict[float, float]]:
+    """Measured sensitivity of each layer to its predictor (see ``_sensitivity``): the MLP keeps
+    only the predictor's top-k neurons. ``sources`` names, per layer, the module whose input the
+    predictor reads (default: the layer's first projection; with lookahead, the previous
+    layer's)."""
+
+    def hooks(trace, density):
+        pred, seen = predictors[trace.layer], {}
+
+        def keep_x(mod, args):
+            seen["x"] = args[0]
+
+        def mask_h(mod, args):
+            scores = pred(seen["x"].reshape(-1, seen["x"].shape[-1]).float())
+            return (_keep_top(args[0], scores, density),)
+
+        source = (sources or {}).get(trace.layer, trace.first)
+        return [source.register_forward_pre_hook(keep_x),
+                trace.down.register_forward_pre_hook(mask_h)]
+
+    return _sensitivity(model, traces, ids, "sensitivity", hooks, progress)
+
+
 def gate_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
                      progress: bool = True) -> dict[int, dict[float, float]]:
     """Like ``loss_sensitivity`` for the gate selector: one layer's MLP keeps the top-k neurons
     by |act(gate)| (gated MLPs only; others are left out)."""
     from dejavu_compile.kernels.reference import activate
 
-    def loss() -> float:
-        return model(ids, labels=ids).loss.item()
-
-    base = loss()
-    out = {}
-    steps = [d for d in DENSITY_STEPS if d < 1.0]
-    gated = [t for t in traces if t.up is not None]
-    for trace in tqdm(gated, desc="gate sensitivity", disable=not progress, leave=False):
+    def hooks(trace, density):
         seen = {}
 
-        def keep_g(mod, args, output, seen=seen):
+        def keep_g(mod, args, output):
             seen["g"] = output
 
-        out[trace.layer] = {1.0: 0.0}
-        for density in steps:
-            def mask_h(mod, args, density=density, seen=seen, act=trace.act):
-                h = args[0]
-                k = max(1, round(density * h.shape[-1]))
-                score = activate(seen["g"].float(), act).abs().reshape(-1, h.shape[-1])
-                return (h * top_mask(score, k).reshape(h.shape).to(h.dtype),)
+        def mask_h(mod, args):
+            h = args[0]
+            score = activate(seen["g"].float(), trace.act).abs().reshape(-1, h.shape[-1])
+            return (_keep_top(h, score, density),)
 
-            handles = [trace.first.register_forward_hook(keep_g),
-                       trace.down.register_forward_pre_hook(mask_h)]
-            try:
-                out[trace.layer][density] = loss() - base
-            finally:
-                for handle in handles:
-                    handle.remove()
-    return out
+        return [trace.first.register_forward_hook(keep_g),
+                trace.down.register_forward_pre_hook(mask_h)]
+
+    gated = [t for t in traces if t.up is not None]
+    return _sensitivity(model, gated, ids, "gate sensitivity", hooks, progress)
 
 
-@torch.no_grad()
 def threshold_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
                           progress: bool = True) -> dict[int, dict[float, float]]:
     """Like ``loss_sensitivity`` for the training-free threshold selector (TEAL): one layer's
     MLP projections each keep their largest-magnitude input activations, the density's fraction
     per token (a per-token quantile threshold: decode graphs need a static count)."""
 
-    def loss() -> float:
-        return model(ids, labels=ids).loss.item()
+    def keep_inputs(mod, args, density):
+        t = args[0]
+        return (_keep_top(t, t.reshape(-1, t.shape[-1]).abs().float(), density),)
 
-    def keep_top(t, density):
-        k = max(1, round(density * t.shape[-1]))
-        flat = t.reshape(-1, t.shape[-1])
-        return (t * top_mask(flat.abs().float(), k).reshape(t.shape).to(t.dtype),)
-
-    base = loss()
-    out = {}
-    steps = [d for d in DENSITY_STEPS if d < 1.0]
-    for trace in tqdm(traces, desc="threshold sensitivity", disable=not progress, leave=False):
-        out[trace.layer] = {1.0: 0.0}
+    def hooks(trace, density):
         mods = [m for m in (trace.first, trace.up, trace.down) if m is not None]
-        for density in steps:
-            handles = [m.register_forward_pre_hook(
-                lambda mod, args, density=density: keep_top(args[0], density)) for m in mods]
-            try:
-                out[trace.layer][density] = loss() - base
-            finally:
-                for handle in handles:
-                    handle.remove()
-    return out
+        return [m.register_forward_pre_hook(
+            lambda mod, args: keep_inputs(mod, args, density)) for m in mods]
+
+    return _sensitivity(model, traces, ids, "threshold sensitivity", hooks, progress)
 
 
 @torch.no_grad()
@@ -329,14 +315,19 @@ def gate_recall(trace: MLPTrace, tokens: int = 2048) -> dict[float, float]:
     from dejavu_compile.kernels.reference import activate
 
     x, h = trace.x[:tokens].float(), trace.h[:tokens].float().abs()
-    g = activate(trace.first.float()(x) if trace.first.weight.dtype != torch.float32
-                 else trace.first(x), trace.act).abs()
+    first = trace.first
+    bias = first.bias.float() if first.bias is not None else None
+    g = activate(F.linear(x, first.weight.float(), bias), trace.act).abs()
     return {d: recall_at(g, h, max(1, round(d * h.shape[1]))) for d in DENSITY_STEPS}
 
 
+def module_bytes(*mods: torch.nn.Module | None) -> int:
+    """Bytes of the parameters of ``mods`` (None skipped)."""
+    return sum(p.numel() * p.element_size() for m in mods if m is not None for p in m.parameters())
+
+
 def mlp_bytes(trace: MLPTrace) -> int:
-    mods = [m for m in (trace.first, trace.up, trace.down) if m is not None]
-    return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+    return module_bytes(trace.first, trace.up, trace.down)
 
 
 @dataclass(frozen=True)
@@ -415,8 +406,7 @@ def uniform_gate(traces: list[MLPTrace], target: float,
                  dense_layers: tuple[int, ...] = (0,)) -> dict[int, float]:
     """The gate selector's uniform spread: one density for every sparse layer's up and down."""
     dense = {t.layer: mlp_bytes(t) for t in traces}
-    gate = {t.layer: sum(p.numel() * p.element_size() for p in t.first.parameters())
-            for t in traces}
+    gate = {t.layer: module_bytes(t.first) for t in traces}
     rest = [t.layer for t in traces if t.layer not in dense_layers]
     fixed = sum(dense[layer] for layer in dense_layers if layer in dense)
     left = target * sum(dense.values()) - fixed - sum(gate[layer] for layer in rest)
@@ -490,7 +480,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     if "gate" in selectors:
         for layer, deltas in gate_sensitivity(model, traces, sample, progress).items():
             trace = next(t for t in traces if t.layer == layer)
-            gate = sum(p.numel() * p.element_size() for p in trace.first.parameters())
+            gate = module_bytes(trace.first)
             options[layer] += gate_options(deltas, gate, dense_b[layer] - gate)
             quality[layer]["gate_loss_increase"] = deltas
             quality[layer]["gate_recall_by_density"] = gate_recall(trace)

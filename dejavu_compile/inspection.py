@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import yaml
 
+from dejavu_compile.passes.context import parameter_name, source_name
 from dejavu_compile.passes.lookahead import is_op
 
 from .backend import register_model, transform
@@ -256,13 +257,12 @@ class _Graph(torch.nn.Module):
         self.names: list[str] = []
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
-            source = _source(node)
-            if isinstance(value, torch.Tensor) and "L['self']" in source:
+            if isinstance(value, torch.Tensor) and "L['self']" in (source_name(node) or ""):
                 self.register_buffer(f"w{i}", value.detach(), persistent=False)
                 self.slots.append(("buffer", f"w{i}"))
             elif isinstance(value, torch.Tensor):
                 self.slots.append(("input", len(self.names)))
-                self.names.append(_input_name(source, node.name))
+                self.names.append(_input_name(node))
             else:
                 self.slots.append(("const", value))
 
@@ -275,18 +275,9 @@ class _Graph(torch.nn.Module):
         return tuple(out) if isinstance(out, (list, tuple)) else out
 
 
-def _source(node: fx.Node) -> str:
-    from dejavu_compile.passes.context import source_name
-
-    return source_name(node) or ""
-
-
-def _input_name(source: str, fallback: str) -> str:
-    from dejavu_compile.passes.context import _PART
-
-    parts = [next(g for g in m.groups() if g is not None) for m in _PART.finditer(source)]
-    parts = [p for p in parts if p not in ("self", "kwargs")]
-    return ".".join(parts) or fallback
+def _input_name(node: fx.Node) -> str:
+    """A graph input's name as the model's caller passed it: ``past_key_values.layers.0.keys``."""
+    return parameter_name(node).removeprefix("kwargs.")
 
 
 def write_onnx(c: Captured, path: Path) -> None:

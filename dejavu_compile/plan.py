@@ -41,14 +41,14 @@ class ModelBytes:
 
     @classmethod
     def from_config(cls, config, name: str, dtype_bytes: int = 2) -> ModelBytes:
-        heads = config.num_attention_heads
-        gated = config.model_type != "opt"  # OPT's MLP is fc1 -> ReLU -> fc2
+        from .profile import ModelIdentity
+
+        ident = ModelIdentity.from_config(config, name)
         return cls(
-            name=name, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate_size=getattr(config, "intermediate_size", None) or config.ffn_dim,
-            vocab_size=config.vocab_size, gated=gated,
+            name=name, num_layers=ident.num_layers, hidden_size=ident.hidden_size,
+            num_heads=ident.num_heads, num_kv_heads=ident.num_kv_heads, head_dim=ident.head_dim,
+            intermediate_size=ident.intermediate_size, vocab_size=config.vocab_size,
+            gated=ident.model_type != "opt",  # OPT's MLP is fc1 -> ReLU -> fc2
             tied=bool(getattr(config, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes)
 
     @property
@@ -77,6 +77,16 @@ class ModelBytes:
         """One embedding row, the norms and the LM head."""
         d = self.hidden_size
         return (d + self.vocab_size * d + (2 * self.num_layers + 1) * d) * self.dtype_bytes
+
+
+def crossover_tokens(projection_saves: float, kv_bytes_per_token: float,
+                     kv_keep: float) -> int | None:
+    """Context length at which KV selection at ``kv_keep`` saves as many bytes per step as the
+    projection branch's ``projection_saves`` (predictors already subtracted); None when KV
+    saves nothing, 0 when the projection branch saves nothing."""
+    if kv_keep >= 1.0 or kv_bytes_per_token <= 0:
+        return None
+    return max(0, round(projection_saves / ((1 - kv_keep) * kv_bytes_per_token)))
 
 
 @dataclass(frozen=True)
@@ -134,13 +144,10 @@ class Account:
 
     def crossover(self) -> int | None:
         """The context where both branches save the same bytes (None if KV keeps everything)."""
-        if self.kv_keep >= 1.0:
-            return None
         m = self.model
         saved_proj = (1 - self.projection_keep) * m.projection_bytes(self.scope) * m.num_layers
-        saved_proj -= self.predictor_bytes
-        per_token = (1 - self.kv_keep) * m.kv_bytes_per_token * m.num_layers
-        return max(0, round(saved_proj / per_token))
+        return crossover_tokens(saved_proj - self.predictor_bytes,
+                                m.kv_bytes_per_token * m.num_layers, self.kv_keep)
 
     def latency_ms(self, context: int, mode: str, bandwidth: float) -> float:
         """Predicted step time: bytes at ``bandwidth`` (bytes/s) plus the mode's fixed cost."""

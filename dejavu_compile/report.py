@@ -108,7 +108,7 @@ class CompileReport:
         as compiled, the KV cache at ``kv_keep``) at ``bandwidth``, plus each mode's measured
         fixed cost (``dejavu bench --kv``); without costs, the fewest bytes. Returns the byte
         crossover and the choices."""
-        from .plan import DEFAULT_KV_KEEP, MODES
+        from .plan import DEFAULT_KV_KEEP, MODES, crossover_tokens
 
         keep = DEFAULT_KV_KEEP if kv_keep is None else kv_keep
         kv, costs = self.main.kv_bytes_per_token, costs_ms or {}
@@ -121,7 +121,7 @@ class CompileReport:
             return seconds * 1e3 + costs.get(mode, 0.0)
 
         saved = self.bytes_dense - self.bytes_sparse
-        cross = round(saved / ((1 - keep) * kv)) if kv and keep < 1 and saved > 0 else None
+        cross = crossover_tokens(saved, kv, keep) if saved > 0 else None
         choices = {n: min(MODES, key=lambda m, n=n: step_ms(m, n)) for n in contexts}
         return {"kv_keep": keep, "crossover": cross, "projection_saves": saved,
                 "kv_bytes_per_token": kv, "choices": choices}

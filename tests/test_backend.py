@@ -28,6 +28,17 @@ def _decode_logits(model, ids, steps: int = 3, on_decode=None):
     return torch.stack(logits, 1)
 
 
+def _reference_logits(model, ids, install):
+    """``_decode_logits`` of the eager model with the hooks ``install()`` returns in place for
+    the decode steps (the masked reference a compiled model is compared with)."""
+    handles = []
+    try:
+        return _decode_logits(model, ids, on_decode=lambda: handles.extend(install()))
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _capture(options: dict):
     """A backend that runs the dejavu passes and keeps each rewritten graph and context."""
     graphs = []
@@ -136,11 +147,8 @@ def test_oracle_matches_masked_reference(tiny, arch):
     ids = prompt(batch=2)
     with torch.no_grad():
         dense = _decode_logits(model, ids)
-        handles = []
-        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
-            _masked_reference(model, mlp_density=0.4, head_density=0.5)))
-        for h in handles:
-            h.remove()
+        want = _reference_logits(model, ids, lambda: _masked_reference(
+            model, mlp_density=0.4, head_density=0.5))
         compiled = torch.compile(model, backend="dejavu", options={
             "selector": "oracle", "mlp_density": 0.4, "attention_density": 0.5})
         got = _decode_logits(compiled, ids)
@@ -173,10 +181,7 @@ def test_gate_selector_matches_masked_reference(tiny, arch):
         return handles
 
     with torch.no_grad():
-        handles = []
-        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(hooks()))
-        for h in handles:
-            h.remove()
+        want = _reference_logits(model, ids, hooks)
         got = _decode_logits(torch.compile(model, backend="dejavu", options={
             "selector": "gate", "mlp_density": 0.5}), ids)
     torch.testing.assert_close(got, want, **FP32)
@@ -219,10 +224,7 @@ def test_threshold_selector_matches_masked_reference(tiny, arch):
         return handles
 
     with torch.no_grad():
-        handles = []
-        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(hooks()))
-        for h in handles:
-            h.remove()
+        want = _reference_logits(model, ids, hooks)
         got = _decode_logits(torch.compile(model, backend="dejavu", options={
             "selector": "threshold", "mlp_density": 0.5}), ids)
     torch.testing.assert_close(got, want, **FP32)

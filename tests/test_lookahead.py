@@ -10,7 +10,7 @@ from dejavu_compile import ProfileError, load_profile
 from dejavu_compile.profile import BlockProfile, LayerProfile, Profile
 
 from .conftest import prompt
-from .test_backend import FP32, _capture, _decode_logits
+from .test_backend import FP32, _capture, _decode_logits, _reference_logits
 from .test_profiles_and_generate import _predictor_reference_hooks, _random_predictor_profile
 
 OPS = torch.ops.dejavu
@@ -42,17 +42,19 @@ def test_predictors_read_the_previous_layers_input(tiny, arch, tmp_path):
                                    "lookahead[attention]": 1}
 
 
+def _lookahead_reference(model, tensors, ids):
+    """Eager decoding with the predictors of a lookahead profile applied by hand, in order."""
+    return _reference_logits(model, ids, lambda: _predictor_reference_hooks(
+        model, tensors, 0.5, dense_first=False, lookahead=True))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_lookahead_matches_sequential_reference(tiny, arch, tmp_path):
     model = tiny(arch)
     path, tensors = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
     ids = prompt()
     with torch.no_grad():
-        handles = []
-        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
-            _predictor_reference_hooks(model, tensors, 0.5, dense_first=False, lookahead=True)))
-        for h in handles:
-            h.remove()
+        want = _lookahead_reference(model, tensors, ids)
         got = _decode_logits(torch.compile(model, backend="dejavu",
                                            options={"profile": str(path)}), ids)
     torch.testing.assert_close(got, want, **FP32)
@@ -70,11 +72,7 @@ def test_side_stream_form_joins_the_first_consumer(tiny, tmp_path, monkeypatch):
     backend, graphs = _capture({"profile": str(path)})
     ids = prompt()
     with torch.no_grad():
-        handles = []
-        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
-            _predictor_reference_hooks(model, tensors, 0.5, dense_first=False, lookahead=True)))
-        for h in handles:
-            h.remove()
+        want = _lookahead_reference(model, tensors, ids)
         got = _decode_logits(torch.compile(model, backend=backend), ids)
     torch.testing.assert_close(got, want, **FP32)
     gm, ctx = graphs[-1]

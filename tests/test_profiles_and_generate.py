@@ -12,7 +12,14 @@ from dejavu_compile.backend import register_model
 from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile
 
 from .conftest import prompt
-from .test_backend import FP32, _capture, _decode_logits, _dejavu_nodes, assert_compiled_equals_eager
+from .test_backend import (
+    FP32,
+    _capture,
+    _decode_logits,
+    _dejavu_nodes,
+    _reference_logits,
+    assert_compiled_equals_eager,
+)
 
 
 def _identity(model, name="tiny") -> ModelIdentity:
@@ -106,11 +113,8 @@ def test_predictor_profile_matches_reference(tiny, arch, tmp_path):
     path, tensors = _random_predictor_profile(model, tmp_path)
     ids = prompt()
     with torch.no_grad():
-        handles = []
-        want = _decode_logits(model, ids, on_decode=lambda: handles.extend(
-            _predictor_reference_hooks(model, tensors, 0.5)))
-        for h in handles:
-            h.remove()
+        want = _reference_logits(
+            model, ids, lambda: _predictor_reference_hooks(model, tensors, 0.5))
         compiled = torch.compile(model, backend="dejavu", options={"profile": str(path)})
         got = _decode_logits(compiled, ids)
     torch.testing.assert_close(got, want, **FP32)
