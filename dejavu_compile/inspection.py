@@ -26,7 +26,6 @@ import torch
 import torch.fx as fx
 import yaml
 
-from dejavu_compile.passes.context import parameter_name, source_name
 from dejavu_compile.passes.lookahead import is_op
 
 from .backend import register_model, transform
@@ -250,19 +249,19 @@ class _Graph(torch.nn.Module):
     """The decode graph with the model's weights as buffers (ONNX initializers) and the rest
     of its inputs (token ids, positions, mask, KV cache) as arguments."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], weights: set[int]):
         super().__init__()
         self.gm = gm
         self.slots: list[tuple[str, Any]] = []
         self.names: list[str] = []
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
-            if isinstance(value, torch.Tensor) and "L['self']" in (source_name(node) or ""):
-                self.register_buffer(f"w{i}", value.detach(), persistent=False)
+            if isinstance(value, torch.Tensor) and id(value) in weights:
+                self.register_buffer(f"w{i}", value.detach())
                 self.slots.append(("buffer", f"w{i}"))
             elif isinstance(value, torch.Tensor):
                 self.slots.append(("input", len(self.names)))
-                self.names.append(_input_name(node))
+                self.names.append(node.name)
             else:
                 self.slots.append(("const", value))
 
@@ -275,18 +274,15 @@ class _Graph(torch.nn.Module):
         return tuple(out) if isinstance(out, (list, tuple)) else out
 
 
-def _input_name(node: fx.Node) -> str:
-    """A graph input's name as the model's caller passed it: ``past_key_values.layers.0.keys``."""
-    return parameter_name(node).removeprefix("kwargs.")
-
-
-def write_onnx(c: Captured, path: Path) -> None:
-    """Export the transformed graph to ONNX and annotate each ``dejavu`` node with the block it
-    serves (layer, block, selector, density, k), read from the FX nodes in the same order."""
+def write_onnx(c: Captured, path: Path, model: torch.nn.Module) -> None:
+    """Export the transformed graph to ONNX, ``model``'s parameters and buffers as initializers,
+    and annotate each ``dejavu`` node with the block it serves (layer, block, selector, density,
+    k), read from the FX nodes in the same order."""
     import onnx
 
     _register_onnx_symbolics()
-    module = _Graph(c.gm, c.example_inputs)
+    weights = {id(t) for t in (*model.parameters(), *model.buffers())}
+    module = _Graph(c.gm, c.example_inputs, weights)
     inputs = tuple(v for (kind, _), v in zip(module.slots, c.example_inputs, strict=True)
                    if kind == "input")
     with warnings.catch_warnings():
@@ -349,5 +345,5 @@ def export(model: torch.nn.Module, out: str | Path, *, ids: torch.Tensor | None 
     paths["report.yaml"].write_text(yaml.safe_dump(report_dict(report, profile), sort_keys=False))
     if onnx:
         paths["graph.onnx"] = out / "graph.onnx"
-        write_onnx(main, paths["graph.onnx"])
+        write_onnx(main, paths["graph.onnx"], model)
     return paths

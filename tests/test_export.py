@@ -35,6 +35,10 @@ def test_export_files_are_valid(tiny, arch, tmp_path):
 
     proto = onnx.load(str(paths["graph.onnx"]))
     onnx.checker.check_model(proto)
+    # the model's weights are initializers; the inputs are ids, positions, mask and cache
+    assert proto.graph.initializer
+    assert not any("parameters_weight" in i.name for i in proto.graph.input)
+    assert any("past_key_values" in i.name for i in proto.graph.input)
     custom = [n for n in proto.graph.node if n.domain == ONNX_DOMAIN]
     by_type = {}
     for node in custom:
