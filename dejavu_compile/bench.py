@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .profile import BUCKET_UNITS
+
 DENSITIES = (0.05, 0.1, 0.25, 0.5, 0.8, 1.0)
 LAYERS = 8
 
@@ -177,13 +179,53 @@ def _attention_out_sweep(name, cfg, densities, dtype) -> list[dict]:
     return rows
 
 
+def _selector_sweep(name, cfg, densities, dtype, rank: int = 128) -> list[dict]:
+    """The learned selector (rank-``rank`` predictor and top-k) of the MLP and of the heads:
+    the bucketed Triton selector in the "dejavu" column, the cuBLAS + ``torch.topk`` path over
+    all units (one global top-k) in the "naive" column; bytes are the predictor's."""
+    from dejavu_compile.kernels import predictor
+    from dejavu_compile.profile import default_buckets, kept_units
+
+    d = cfg.hidden_size
+    esize = torch.finfo(dtype).bits // 8
+    x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
+    rows = []
+    n_mlp = getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
+    for block, units in (("mlp_selector", n_mlp), ("heads_selector", cfg.num_attention_heads)):
+        sets = [((torch.randn(rank, d, device="cuda") * d**-0.5).to(dtype),
+                 (torch.randn(units, rank, device="cuda") * rank**-0.5).to(dtype))
+                for _ in range(LAYERS)]
+        buckets = default_buckets(units)
+        nbytes = (rank * d + units * rank) * esize
+        for density in densities:
+            if density >= 1.0:
+                continue
+            k = kept_units(density, units, buckets)
+            ours = _time_layers(lambda i, k=k: predictor.select_predictor(
+                x, sets[i][0], None, sets[i][1], None, "relu", k, 1, buckets), LAYERS)
+            flat = _time_layers(lambda i, k=k: predictor.select_predictor(
+                x, sets[i][0], None, sets[i][1], None, "relu", k, 1, 1), LAYERS)
+            rows.append({
+                "model": name, "block": f"{block} ({buckets} buckets)", "density": density,
+                "k": k, "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
+                "naive_ms": flat[0], "dense_ms": float("nan"),
+                "bytes": nbytes, "dense_bytes": nbytes,
+                "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9, "dense_gbs": float("nan"),
+            })
+    return rows
+
+
 @torch.no_grad()
 def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16) -> list[dict]:
-    """Rows of the kernel table for one model shape: MLP, then attention output projection."""
+    """Rows of the kernel table for one model shape: MLP, attention output projection, and the
+    learned selectors."""
     rows = _mlp_sweep(name, cfg, densities, dtype)
     gc.collect()
     torch.cuda.empty_cache()
     rows += _attention_out_sweep(name, cfg, densities, dtype)
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows += _selector_sweep(name, cfg, densities, dtype)
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -196,6 +238,31 @@ class DecodeResult:
     spread: tuple[float, float]
     bytes_per_token: int
     peak_gib: float
+    breakdown: list[dict] | None = None  # GPU kernel time per step, by kernel name
+
+
+def _kernel_breakdown(step, steps: int = 8, top: int = 12) -> list[dict]:
+    """GPU time per decode step of each kernel name, from the profiler over ``steps`` calls of
+    ``step()``, largest first; a last row totals every kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        if ev.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(ev, "self_device_time_total", None)
+        us = ev.self_cuda_time_total if us is None else us
+        rows.append({"kernel": ev.key[:90], "us_per_step": us / steps,
+                     "calls_per_step": ev.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = {"kernel": "(all kernels)", "us_per_step": sum(r["us_per_step"] for r in rows),
+             "calls_per_step": sum(r["calls_per_step"] for r in rows)}
+    return rows[:top] + [total]
 
 
 def random_model(cfg, dtype=torch.float16):
@@ -211,12 +278,13 @@ def random_model(cfg, dtype=torch.float16):
 
 
 def random_profile(model, mlp_density: float, attention_density: float, rank: int, path,
-                   lookahead: bool = False):
+                   lookahead: bool = False, bucket_units: int = BUCKET_UNITS):
     """A profile with random predictors (speed does not depend on their values); layer 0 dense.
 
     Densities of 1.0 leave that block dense (no selector): the dense pipeline. With
     ``lookahead``, each predictor reads the previous layer's input."""
-    from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile, save_profile
+    from dejavu_compile.profile import (BlockProfile, LayerProfile, ModelIdentity, Profile,
+                                        default_buckets, save_profile)
 
     ident = ModelIdentity.from_config(model.config, f"random-{model.config.model_type}")
     tensors, layers = {}, []
@@ -232,7 +300,8 @@ def random_profile(model, mlp_density: float, attention_density: float, rank: in
             tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
             blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
                                         rank=rank, activation="relu",
-                                        input="previous" if lookahead else "same")
+                                        input="previous" if lookahead else "same",
+                                        buckets=default_buckets(units, bucket_units))
         layers.append(LayerProfile(index=i, **blocks))
     profile = Profile(model=ident, layers=tuple(layers),
                       predictor_file=f"{path.stem}.safetensors" if tensors else None)
@@ -250,7 +319,7 @@ def _mark_cache_static(cache) -> None:
 
 @torch.no_grad()
 def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
-                   warmup: int = 2) -> DecodeResult:
+                   warmup: int = 2, breakdown: bool = False) -> DecodeResult:
     """Per-token latency of ``new`` decode steps after a ``prompt``-token prefill (run eagerly:
     only the decode step is compiled), with a static cache; ``forward`` is the (compiled or
     plain) forward to call for decode steps."""
@@ -280,8 +349,15 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
             steps.append(1e3 * (time.perf_counter() - start))
         times = steps
     qs = statistics.quantiles(times, n=10)
-    return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token,
-                        torch.cuda.max_memory_allocated() / 2**30)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    kernels = None
+    if breakdown:  # more steps at the end of the cache (it was sized with one spare slot)
+        pos = torch.tensor([prompt + new], device="cuda")
+        kernels = _kernel_breakdown(lambda: forward(
+            input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos[None],
+            attention_mask=mask, use_cache=True))
+    return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
+                        kernels)
 
 
 def weight_bytes(model) -> int:
@@ -296,20 +372,23 @@ def weight_bytes(model) -> int:
 
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
-         "dejavu_fixed")
+         "dejavu_fixed", "dejavu_topk")
+SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
-# predictors' input (lookahead or not) and the selector option
+# predictors' input (lookahead or not), the selector option and the predictors' bucket size
 _DEJAVU_MODES = {
-    "dejavu_dense": (False, False, None),
-    "dejavu_sparse": (True, False, None),  # predictors inline, on their own input
-    "dejavu_lookahead": (True, True, None),  # predictors one layer ahead, on a side stream
-    "dejavu_fixed": (True, False, "fixed"),  # fixed indices: no predictor at all
+    "dejavu_dense": (False, False, None, BUCKET_UNITS),
+    "dejavu_sparse": (True, False, None, BUCKET_UNITS),  # predictors inline, on their own input
+    # predictors one layer ahead, on a side stream
+    "dejavu_lookahead": (True, True, None, BUCKET_UNITS),
+    "dejavu_fixed": (True, False, "fixed", BUCKET_UNITS),  # fixed indices: no predictor at all
+    "dejavu_topk": (True, False, None, 0),  # one top-k over all units (cuBLAS + torch.topk)
 }
 
 
 @torch.no_grad()
 def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: int = 128,
-               rank: int = 128, workdir=None, modes=MODES):
+               rank: int = 128, workdir=None, modes=MODES, breakdown: bool = False):
     """Per-token decode latency of each mode on a random model of ``cfg``'s shape; yields one
     ``DecodeResult`` per mode as soon as it is measured."""
     import tempfile
@@ -322,24 +401,26 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
     dejavu_compile.backend.register_model(model)
     dense_bytes = weight_bytes(model)
     if "hf_eager" in modes:
-        yield decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes)
+        yield decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes,
+                             breakdown=breakdown)
     if "hf_compiled" in modes:
         torch._dynamo.reset()
         compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes)
+        yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes,
+                             breakdown=breakdown)
 
-    for mode, (sparse, ahead, selector) in _DEJAVU_MODES.items():
+    for mode, (sparse, ahead, selector, bucket_units) in _DEJAVU_MODES.items():
         if mode not in modes:
             continue
         mlp, att = (operating_point["mlp"], operating_point["attention"]) if sparse else (1.0, 1.0)
         torch._dynamo.reset()
         profile = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml",
-                                 lookahead=ahead)
+                                 lookahead=ahead, bucket_units=bucket_units)
         options = {"profile": profile, "cudagraphs": True}
         if selector:
             options["selector"] = selector
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        res = decode_latency(model, fwd, prompt, new, mode, 0)
+        res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
         yield res
     del model
@@ -506,7 +587,7 @@ def analyse_kv(sweep: dict, bandwidth: float) -> dict:
 
 
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
-        e2e: bool = True, modes=MODES, kv: bool = False) -> dict:
+        e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict."""
     if not torch.cuda.is_available():
         raise RuntimeError("dejavu bench needs a CUDA GPU")
@@ -528,12 +609,14 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                 print(json.dumps(row), flush=True)
         if e2e:
             point = OPERATING_POINTS[name]
-            for res in end_to_end(name, configs[name], point, modes=modes):
+            for res in end_to_end(name, configs[name], point, modes=modes, breakdown=breakdown):
                 row = {"model": name, "mode": res.mode, "ms_per_token": res.ms_per_token,
                        "p20": res.spread[0], "p80": res.spread[1],
                        "bytes_per_token": res.bytes_per_token,
                        "floor_ms": res.bytes_per_token / bw * 1e3, "peak_gib": res.peak_gib,
                        "operating_point": point}
+                if res.breakdown is not None:
+                    row["breakdown"] = res.breakdown
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
     if out_json:
@@ -576,15 +659,28 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
         for r in result["e2e"]:
             point = (f"MLP {r['operating_point']['mlp']}, attention "
                      f"{r['operating_point']['attention']}"
-                     if r["mode"] in ("dejavu_sparse", "dejavu_lookahead", "dejavu_fixed") else "")
+                     if r["mode"] in SPARSE_MODES else "")
             lines.append(
                 f"| {r['model']} | {r['mode']} | {point} | {r['ms_per_token']:.2f} "
                 f"({r['p20']:.2f}-{r['p80']:.2f}) | {r['bytes_per_token'] / 1e9:.2f} GB | "
                 f"{r['floor_ms']:.2f} | {r['peak_gib']:.1f} |")
         lines.append("")
+        for r in result["e2e"]:
+            if r.get("breakdown"):
+                lines += _breakdown_markdown(r)
     if result.get("kv"):
         lines += _kv_markdown(result["kv"])
     return "\n".join(lines)
+
+
+def _breakdown_markdown(r: dict) -> list[str]:
+    lines = [f"GPU kernel time per decode step, {r['model']} {r['mode']} (torch.profiler over 8 "
+             f"steps; wall time {r['ms_per_token']:.2f} ms):", "",
+             "| kernel | us per step | calls per step |", "| --- | --- | --- |"]
+    for k in r["breakdown"]:
+        name = k["kernel"].replace("|", "/")
+        lines.append(f"| `{name}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.0f} |")
+    return lines + [""]
 
 
 def _kv_markdown(kv: dict) -> list[str]:

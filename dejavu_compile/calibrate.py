@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 from tqdm import tqdm
 
-from .profile import BlockProfile, LayerProfile, ModelIdentity, Profile, save_profile
+from .profile import (BUCKET_UNITS, BlockProfile, LayerProfile, ModelIdentity, Profile,
+                      default_buckets, kept_units, save_profile)
 
 log = logging.getLogger("dejavu_compile")
 
@@ -147,28 +148,35 @@ class Predictor(torch.nn.Module):
         return {prefix + k: v.detach().half() for k, v in named.items()}
 
 
-def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean [T, N]: each row's ``k`` largest scores."""
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(k, dim=1).indices, True)
+def top_mask(scores: torch.Tensor, k: int, buckets: int = 1) -> torch.Tensor:
+    """Boolean [T, N]: each row's ``k`` largest scores (the top ``k / buckets`` of each bucket
+    when ``buckets`` > 1: what the backend's predictor selects, ``reference.bucket_topk``)."""
+    from dejavu_compile.kernels.reference import bucket_topk
+
+    ids = scores.topk(k, dim=1).indices if buckets == 1 else bucket_topk(scores, k, buckets)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
 
 
-def recall_at(pred_scores: torch.Tensor, true_scores: torch.Tensor, k: int) -> float:
-    """Mean fraction of the true top-k that the predicted top-k contains."""
-    hit = top_mask(pred_scores, k) & top_mask(true_scores, k)
+def recall_at(pred_scores: torch.Tensor, true_scores: torch.Tensor, k: int,
+              buckets: int = 1) -> float:
+    """Mean fraction of the true (global) top-k that the predicted top-k contains, the
+    prediction taken per bucket when ``buckets`` > 1."""
+    hit = top_mask(pred_scores, k, buckets) & top_mask(true_scores, k)
     return hit.sum().item() / (k * true_scores.shape[0])
 
 
 def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
-                    held_out: float = 0.1) -> tuple[Predictor, dict]:
+                    held_out: float = 0.1, buckets: int = 1) -> tuple[Predictor, dict]:
     """Train a predictor of the top-``TRAIN_DENSITY`` neurons of ``trace`` with a weighted binary
-    loss; keep the epoch with the best held-out recall. Returns it and its quality."""
+    loss; keep the epoch with the best held-out recall (of its selection per bucket). Returns it
+    and its quality."""
     torch.manual_seed(seed)
     x, target = trace.x.float(), trace.h.float().abs()
     n_val = max(1, int(held_out * x.shape[0]))
     perm = torch.randperm(x.shape[0])
     val, tr = perm[:n_val], perm[n_val:]
     units = target.shape[1]
-    k = max(1, round(TRAIN_DENSITY * units))
+    k = kept_units(TRAIN_DENSITY, units, buckets)
     labels = top_mask(target, k).float()
     # Standardise inputs with calibration statistics, folded into w1/b1 after training.
     mean, std = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
@@ -187,7 +195,7 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
         sched.step()
         pred.eval()
         with torch.no_grad():
-            r = recall_at(pred(xs[val]), target[val], k)
+            r = recall_at(pred(xs[val]), target[val], k, buckets)
         if r > best:
             best, best_state = r, {n: t.clone() for n, t in pred.state_dict().items()}
     pred.load_state_dict(best_state)
@@ -195,10 +203,11 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
         pred.w1.bias -= (pred.w1.weight * (mean / std)).sum(1)
         pred.w1.weight /= std
         scores = pred(x[val])
-        k_pred = top_mask(scores, k)
+        k_pred = top_mask(scores, k, buckets)
         truth = top_mask(target[val], k)
         precision = (k_pred & truth).sum().item() / max(1, k_pred.sum().item())
-    return pred, {"recall": best, "precision": precision, "val_x": x[val], "val_h": trace.h[val]}
+    return pred, {"recall": best, "precision": precision, "val_x": x[val], "val_h": trace.h[val],
+                  "buckets": buckets}
 
 
 @torch.no_grad()
@@ -206,14 +215,17 @@ def recall_by_density(pred: Predictor, quality: dict) -> dict[float, float]:
     """Recall of the true top-k by the predictor's top-k at each density step, on the held-out
     calibration tokens of ``train_predictor``."""
     h = quality["val_h"].float().abs()
-    scores = pred(quality["val_x"])
-    return {d: recall_at(scores, h, max(1, round(d * h.shape[1]))) for d in DENSITY_STEPS}
+    scores, buckets = pred(quality["val_x"]), quality.get("buckets", 1)
+    return {d: recall_at(scores, h, kept_units(d, h.shape[1], buckets), buckets)
+            for d in DENSITY_STEPS}
 
 
-def _keep_top(t: torch.Tensor, scores: torch.Tensor, density: float) -> torch.Tensor:
-    """``t`` [..., N] with all but each row's top ``density`` of ``scores`` [rows, N] zeroed."""
-    k = max(1, round(density * t.shape[-1]))
-    return t * top_mask(scores, k).reshape(t.shape).to(t.dtype)
+def _keep_top(t: torch.Tensor, scores: torch.Tensor, density: float,
+              buckets: int = 1) -> torch.Tensor:
+    """``t`` [..., N] with all but each row's top ``density`` of ``scores`` [rows, N] zeroed
+    (taken per bucket when ``buckets`` > 1)."""
+    k = kept_units(density, t.shape[-1], buckets)
+    return t * top_mask(scores, k, buckets).reshape(t.shape).to(t.dtype)
 
 
 @torch.no_grad()
@@ -243,12 +255,12 @@ def _sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor, desc: str, ho
 
 def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predictor],
                      ids: torch.Tensor, progress: bool = True,
-                     sources: dict[int, torch.nn.Module] | None = None,
+                     sources: dict[int, torch.nn.Module] | None = None, buckets: int = 1,
                      ) -> dict[int, dict[float, float]]:
     """Measured sensitivity of each layer to its predictor (see ``_sensitivity``): the MLP keeps
     only the predictor's top-k neurons. ``sources`` names, per layer, the module whose input the
     predictor reads (default: the layer's first projection; with lookahead, the previous
-    layer's)."""
+    layer's); ``buckets`` as the profile will say."""
 
     def hooks(trace, density):
         pred, seen = predictors[trace.layer], {}
@@ -258,7 +270,7 @@ def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predic
 
         def mask_h(mod, args):
             scores = pred(seen["x"].reshape(-1, seen["x"].shape[-1]).float())
-            return (_keep_top(args[0], scores, density),)
+            return (_keep_top(args[0], scores, density, buckets),)
 
         source = (sources or {}).get(trace.layer, trace.first)
         return [source.register_forward_pre_hook(keep_x),
@@ -428,7 +440,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
               target_density: float = DEFAULT_TARGET_DENSITY, rank: int = DEFAULT_RANK,
               epochs: int = DEFAULT_EPOCHS, cache_dir: str | Path | None = None,
               lookahead: bool = False, selectors: tuple[str, ...] = DEFAULT_SELECTORS,
-              progress: bool = True) -> Calibration:
+              bucket_units: int = BUCKET_UNITS, progress: bool = True) -> Calibration:
     """Calibrate ``model`` on token ids [1, T]; write ``out`` (YAML) and its predictor file, and
     ``out``'s ``-uniform`` twin (same predictors, the same bytes spread uniformly).
 
@@ -439,7 +451,10 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     ``selectors`` are the candidates per layer: ``predictor`` (learned), ``gate`` (gated MLPs:
     the gate projection read densely selects) and ``threshold`` (TEAL, training-free: every
     projection keeps its largest-magnitude inputs); the allocation picks, per layer, the
-    selector and density that save the most bytes for the least measured loss."""
+    selector and density that save the most bytes for the least measured loss.
+
+    Predictors take their top-k per bucket of at most ``bucket_units`` neurons (0: one top-k
+    over all neurons); recall and sensitivity are measured on that selection."""
     unknown = set(selectors) - set(CALIBRATION_SELECTORS)
     if unknown or not selectors:
         raise ValueError(f"selectors must be among {CALIBRATION_SELECTORS}, got {selectors}")
@@ -456,8 +471,10 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     dense_b = {trace.layer: mlp_bytes(trace) for trace in traces}
     quality: dict[int, dict] = {trace.layer: {} for trace in traces}
     learned = traces if "predictor" in selectors else []
+    buckets = default_buckets(traces[0].h.shape[1], bucket_units) if traces else 1
     for trace in tqdm(learned, desc="train", disable=not progress, leave=False):
-        pred, q = train_predictor(dataclasses.replace(trace, x=inputs[trace.layer].x), rank, epochs)
+        pred, q = train_predictor(dataclasses.replace(trace, x=inputs[trace.layer].x), rank, epochs,
+                                  buckets=buckets)
         trained[trace.layer] = pred
         recalls = recall_by_density(pred, q)
         predictors.update(pred.tensors(f"layers.{trace.layer}.mlp."))
@@ -472,7 +489,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     # one sequence per forward pass: no longer than the model's context
     context = getattr(model.config, "max_position_embeddings", None) or SENSITIVITY_TOKENS
     sample = ids[:, :min(SENSITIVITY_TOKENS, context)]
-    errors = loss_sensitivity(model, learned, trained, sample, progress, sources)
+    errors = loss_sensitivity(model, learned, trained, sample, progress, sources, buckets)
     options = {t.layer: [Option("dense", 1.0, dense_b[t.layer], 0.0)] for t in traces}
     for layer, deltas in errors.items():
         quality[layer]["loss_increase"] = deltas
@@ -510,7 +527,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 ahead = inputs[layer].layer != layer
                 mlp = BlockProfile(selector="predictor", density=d, units=ident.intermediate_size,
                                    rank=rank, activation="relu",
-                                   input="previous" if ahead else "same",
+                                   input="previous" if ahead else "same", buckets=buckets,
                                    recall=quality[layer]["recall_by_density"].get(d),
                                    precision=quality[layer]["precision"])
             layers.append(LayerProfile(index=layer, mlp=mlp))

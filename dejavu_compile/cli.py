@@ -29,7 +29,8 @@ def _bench(args) -> int:
     from . import bench
 
     result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
-                       e2e=not args.no_e2e, modes=args.modes, kv=args.kv)
+                       e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
+                       breakdown=args.breakdown)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -61,7 +62,8 @@ def _calibrate(args) -> int:
     cal = calibrate.calibrate(loaded.model, ids, loaded.name, args.out,
                               target_density=args.target_density, rank=args.rank,
                               epochs=args.epochs, cache_dir=args.cache,
-                              lookahead=args.lookahead, selectors=tuple(args.selectors))
+                              lookahead=args.lookahead, selectors=tuple(args.selectors),
+                              bucket_units=args.bucket_units)
     for layer in cal.profile.layers:
         q = cal.quality.get(layer.index, {})
         line = f"layer {layer.index:>2}: MLP {layer.mlp.selector:<9} density {layer.mlp.density:.2f}"
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         DEFAULT_TARGET_DENSITY,
         DEFAULT_TOKENS,
     )
+    from .profile import BUCKET_UNITS
 
     p = sub.add_parser("calibrate", help="train predictors, choose densities, write a profile")
     p.add_argument("model", help="smollm2-135m, gemma3-270m, a .gguf file or a HF directory")
@@ -192,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--selectors", nargs="+", choices=CALIBRATION_SELECTORS,
                    default=list(DEFAULT_SELECTORS),
                    help="candidate selectors per layer: the allocation picks one per layer")
+    p.add_argument("--bucket-units", type=int, default=BUCKET_UNITS,
+                   help="predictors take their top-k per bucket of at most this many neurons "
+                        "(one GPU launch ranks them); 0 takes one top-k over all neurons")
     p.set_defaults(fn=_calibrate)
 
     p = sub.add_parser("eval", help="perplexity and agreement: dense, oracle, profile")
@@ -249,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", action="store_true",
                    help="also sweep dense / projection / KV / both from 2K to 128K context "
                         "(Llama-3-8B shape); its JSON feeds `dejavu plan --costs`")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also profile each end-to-end mode: GPU time per step by kernel")
     p.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)

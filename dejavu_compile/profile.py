@@ -15,8 +15,11 @@ the density (fraction of units kept per decoded token) and the measured predicto
         attention: {selector: dense}
       - index: 1
         mlp: {selector: predictor, density: 0.5, units: 1536, rank: 128, activation: relu,
-              input: same, recall: 0.91, precision: 0.88}
+              input: same, buckets: 6, recall: 0.91, precision: 0.88}
         attention: {selector: dense}
+
+``buckets`` (predictors only, default 1): the top-k is taken as the top ``k / buckets`` of each
+of that many equal slices of the units (``kernels/reference.py::bucket_topk``).
 
 Predictor tensors are named ``layers.{index}.{mlp|attention}.{w1,b1,w2,b2}``: w1 [rank, d],
 w2 [units, rank], biases optional.
@@ -39,8 +42,31 @@ PREDICTOR_ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
 BLOCK_KINDS = ("mlp", "attention")
 
 
+# A predictor's top-k is taken per bucket of this many units (at most) when the profile says
+# ``buckets`` > 1: one GPU program scores and ranks a bucket in registers (kernels/predictor.py).
+BUCKET_UNITS = 256
+
+
 class ProfileError(ValueError):
     """A profile that is malformed or does not fit the model; the message names field and layer."""
+
+
+def default_buckets(units: int, size: int = BUCKET_UNITS) -> int:
+    """The fewest equal buckets of at most ``size`` units that divide ``units`` (1 when
+    ``size`` is 0: a plain top-k over all units)."""
+    if size <= 0 or units <= size:
+        return 1
+    buckets = -(-units // size)
+    while units % buckets:
+        buckets += 1
+    return buckets
+
+
+def kept_units(density: float, units: int, buckets: int = 1) -> int:
+    """Units kept per token at ``density`` of ``units``: at least one per bucket, a multiple of
+    ``buckets``, static for the compiled graph."""
+    per = units // buckets
+    return buckets * max(1, min(per, round(density * per)))
 
 
 def _where(layer: int | None, block: str | None, key: str) -> str:
@@ -107,10 +133,16 @@ class BlockProfile:
     rank: int | None = None
     activation: str = "none"
     input: str = "same"
+    buckets: int = 1
     recall: float | None = None
     precision: float | None = None
 
     def __post_init__(self) -> None:
+        if self.buckets < 1 or (self.units is not None and self.units % self.buckets):
+            raise ProfileError(f"buckets must be a positive divisor of units ({self.units}), "
+                               f"got {self.buckets!r}")
+        if self.buckets > 1 and self.selector != "predictor":
+            raise ProfileError(f"buckets apply to predictor blocks, not selector {self.selector!r}")
         if self.selector not in BLOCK_SELECTORS:
             raise ProfileError(f"selector must be one of {BLOCK_SELECTORS}, got {self.selector!r}")
         if not 0.0 < self.density <= 1.0:
@@ -203,7 +235,8 @@ class Profile:
             if b.sparse:
                 out.update(density=float(b.density), units=b.units)
             if b.selector == "predictor":
-                out.update(rank=b.rank, activation=b.activation, input=b.input)
+                out.update(rank=b.rank, activation=b.activation, input=b.input,
+                           buckets=b.buckets)
             for key in ("recall", "precision"):
                 if getattr(b, key) is not None:
                     out[key] = round(float(getattr(b, key)), 4)
@@ -237,6 +270,7 @@ def _parse_block(raw: Any, layer: int, kind: str) -> BlockProfile:
         "rank": _get(raw, "rank", int, layer, kind, None),
         "activation": _get(raw, "activation", str, layer, kind, "none"),
         "input": _get(raw, "input", str, layer, kind, "same"),
+        "buckets": _get(raw, "buckets", int, layer, kind, 1),
         "recall": _get(raw, "recall", float, layer, kind, None),
         "precision": _get(raw, "precision", float, layer, kind, None),
     }

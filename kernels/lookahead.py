@@ -38,17 +38,18 @@ def _events(device: torch.device, slot: int) -> tuple[torch.cuda.Event, torch.cu
     return _EVENTS[key]
 
 
-def predict_ahead(x, w1, b1, w2, b2, act: str, k: int, group: int, slot: int) -> torch.Tensor:
+def predict_ahead(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int, slot: int
+                  ) -> torch.Tensor:
     """``select_predictor`` on the side stream; returns ids [..., k * group] (see module doc)."""
     if not SIDE_STREAM:
-        return predictor.select_predictor(x, w1, b1, w2, b2, act, k, group)
+        return predictor.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets)
     out = torch.empty(*x.shape[:-1], k * group, dtype=torch.int64, device=x.device)
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     fork, done = _events(x.device, slot)
     fork.record(main)
     side.wait_event(fork)
     with torch.cuda.stream(side):
-        out.copy_(predictor.select_predictor(x, w1, b1, w2, b2, act, k, group))
+        out.copy_(predictor.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets))
         done.record(side)
     return out
 

@@ -63,13 +63,15 @@ def select_predictor(
     act: str,
     k: int,
     group: int,
+    buckets: int = 1,
 ) -> torch.Tensor:
-    """Learned low-rank predictor followed by a fixed top-k (static shapes)."""
-    return ref.select_predictor(x, w1, b1, w2, b2, act, k, group)
+    """Learned low-rank predictor followed by a fixed top-k (static shapes), taken per bucket
+    of units when ``buckets`` > 1 (``reference.bucket_topk``)."""
+    return ref.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets)
 
 
 @select_predictor.register_fake
-def _(x, w1, b1, w2, b2, act, k, group):
+def _(x, w1, b1, w2, b2, act, k, group, buckets=1):
     return _ids_like(x, k * group)
 
 
@@ -83,16 +85,17 @@ def predict_ahead(
     act: str,
     k: int,
     group: int,
+    buckets: int,
     slot: int,
 ) -> torch.Tensor:
     """``select_predictor`` launched ahead (lookahead pass): on CUDA it runs on a side stream
     and records event ``slot``, which the block's first sparse op waits on; on CPU it runs in
     plain order."""
-    return ref.select_predictor(x, w1, b1, w2, b2, act, k, group)
+    return ref.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets)
 
 
 @predict_ahead.register_fake
-def _(x, w1, b1, w2, b2, act, k, group, slot):
+def _(x, w1, b1, w2, b2, act, k, group, buckets, slot):
     return _ids_like(x, k * group)
 
 

@@ -1,13 +1,24 @@
-"""The learned selector on the GPU: two cuBLAS GEMVs, the activation in place, and an unsorted
-top-k.
+"""The learned selector on the GPU.
 
-The reference sorts the chosen ids (so reads walk memory forwards and results are deterministic
-on CPU); on the GPU the sort is one more launch per layer for nothing: the Triton kernels read
-the selected rows in any order and add their contributions with atomics, whose order is not
-fixed anyway. A one-program Triton top-k (radix select on the score bits) was tried in place of
-``torch.topk`` and was slower end to end (OPT-13B at MLP 0.1: 13.5 ms per token against 8.4 ms):
-one program cannot read and reduce 20K scores 32 times as fast as PyTorch's multi-block select.
-Reference: ``kernels/reference.py::select_predictor``.
+With buckets (the profile's ``buckets`` > 1, or a block small enough to be one bucket, such as
+the heads of a layer) the selector is two Triton launches:
+
+1. ``_hidden_kernel``: ``z = act(x w1^T + b1)``, one program per few rows of ``w1`` looping
+   over ``d`` (``w1`` is ``rank x d``, about a megabyte).
+2. ``_bucket_kernel``: one program per bucket of units computes the bucket's logits
+   ``z w2[bucket]^T + b2`` and keeps its top ``k / buckets`` in registers (a bitonic top-k on
+   keys that pack the score's bits above the unit's id), then writes their ids (expanded to
+   heads for KV-group granularity).
+
+Without buckets over more units than one program can rank, the selector stays two cuBLAS GEMVs,
+the activation in place and ``torch.topk`` (several launches: about 30 us per block on an H200,
+BENCHMARKS.md). A one-program radix select over all 20K units was tried in its place and was
+slower (13.5 ms per token against 8.4 ms for OPT-13B at MLP 0.1): one program cannot scan 20K
+scores 32 times as fast as PyTorch's multi-block select; buckets split that scan over programs.
+
+The ids come out in no particular order (the reference sorts them): the sparse kernels read
+the selected rows in any order and add their contributions with atomics.
+Reference: ``kernels/reference.py::select_predictor`` and ``bucket_topk``.
 """
 
 from __future__ import annotations
@@ -16,14 +27,30 @@ import torch
 
 from .reference import activate, expand_groups
 
+try:
+    from .bucket_select import bucketed, select_predictor_triton
+except ImportError:  # no Triton: the PyTorch path below
+    def bucketed(units: int, buckets: int) -> bool:
+        return False
 
-def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int) -> torch.Tensor:
+
+def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1
+                     ) -> torch.Tensor:
     """x: [..., d]; w1: [r, d]; w2: [U, r]; returns unit ids [..., k * group] (unsorted)."""
+    if bucketed(w2.shape[0], buckets):
+        return select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
     z = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w1, b1)
     if act == "relu":
         z = z.relu_()
     elif act != "none":
         z = activate(z, act)
     logits = torch.nn.functional.linear(z, w2, b2)
-    units = expand_groups(torch.topk(logits, k, dim=-1, sorted=False).indices, group)
+    if buckets > 1:
+        rows, size = logits.shape[0], w2.shape[0] // buckets
+        local = torch.topk(logits.view(rows, buckets, size), k // buckets, dim=-1,
+                           sorted=False).indices
+        top = (local + torch.arange(0, w2.shape[0], size, device=x.device)[:, None]).flatten(1)
+    else:
+        top = torch.topk(logits, k, dim=-1, sorted=False).indices
+    units = expand_groups(top, group)
     return units.reshape(*x.shape[:-1], k * group)

@@ -143,8 +143,28 @@ def select_heads_oracle(attn, wo_t, head_dim: int, k: int, group: int) -> torch.
     return heads.reshape(*attn.shape[:-1], k * group)
 
 
-def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int) -> torch.Tensor:
-    """A learned low-rank predictor: logits = act(x w1^T + b1) w2^T + b2, then top-``k``.
+def bucket_topk(scores: torch.Tensor, k: int, buckets: int = 1) -> torch.Tensor:
+    """Ids of ``k`` large scores per row of ``scores`` [R, U], in ascending id order: the top
+    ``k / buckets`` of each of ``buckets`` equal contiguous slices of the units (``buckets=1``
+    is the plain top-k). A bucket is small enough for one GPU program to score and rank it in
+    registers, so the selection is one launch however many units there are; the price is that
+    a bucket holding more than its share of the true top-k gives up its weakest ones.
+    """
+    if buckets == 1:
+        return topk_indices(scores, k)
+    rows, units = scores.shape
+    if units % buckets or k % buckets:
+        raise ValueError(f"{buckets} buckets must divide the units ({units}) and k ({k})")
+    size = units // buckets
+    local = torch.topk(scores.view(rows, buckets, size), k // buckets, dim=-1, sorted=False).indices
+    ids = local + torch.arange(0, units, size, device=scores.device)[:, None]
+    return ids.flatten(1).sort(dim=-1).values
+
+
+def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1
+                     ) -> torch.Tensor:
+    """A learned low-rank predictor: logits = act(x w1^T + b1) w2^T + b2, then top-``k``
+    (per bucket, see ``bucket_topk``).
 
     x: [..., d]; w1: [r, d]; w2: [U, r] over U units (neurons, heads or head groups).
     ``act`` is "none" or an entry of ``ACTIVATIONS``. Returns ids [..., k * group].
@@ -157,7 +177,7 @@ def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int) -> torch.T
     logits = z @ _acc(w2).t()
     if b2 is not None:
         logits = logits + _acc(b2)
-    units = expand_groups(topk_indices(logits, k), group)
+    units = expand_groups(bucket_topk(logits, k, buckets), group)
     return units.reshape(*x.shape[:-1], k * group)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from dejavu_compile.profile import BlockProfile, ProfileError
+from dejavu_compile.profile import BlockProfile, ProfileError, kept_units
 
 from .context import PassContext, add_constant, fake_mode_of, fake_value, set_val
 
@@ -46,6 +46,7 @@ class BlockPlan:
     group: int = 1  # heads per unit (attention at KV-group granularity)
     activation: str = "none"  # predictor hidden activation
     input: str = "same"  # the predictor's input: its block's, or the previous layer's (lookahead)
+    buckets: int = 1  # the predictor's top-k is taken per bucket of units (profile ``buckets``)
     reason: str = ""  # why a block stays dense
 
     @property
@@ -55,7 +56,7 @@ class BlockPlan:
 
 def units_for(k: float, n: int) -> int:
     """Units kept for density ``k`` of ``n``: at least one, static for the compiled graph."""
-    return max(1, min(n, round(k * n)))
+    return kept_units(k, n)
 
 
 def _identity_errors(ctx: PassContext) -> None:
@@ -146,12 +147,16 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                     f"profile: layer {layer}, {kind} predictor has units={spec.units} but the "
                     f"model's block has {units} ({granularity} granularity)"
                 )
+            buckets = spec.buckets if selector == "predictor" else 1
             plan[(layer, kind)] = BlockPlan(
                 kind=kind,
                 selector=selector,
                 density=spec.density,
                 units=units,
-                k=units_for(spec.density, units) if selector != "dense" else units,
+                k=(units if selector == "dense" else
+                   kept_units(spec.density, units, buckets) if selector == "predictor" else
+                   units_for(spec.density, units)),
+                buckets=buckets,
                 group=group if kind == "attention" else 1,
                 activation=spec.activation,
                 reason=reason,
@@ -256,7 +261,7 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
         else:
             w1, b1, w2, b2 = _predictor_nodes(gm, ctx, block.layer, "mlp", block, fake_mode)
             idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
-                        w1, b1, w2, b2, plan.activation, plan.k, 1)
+                        w1, b1, w2, b2, plan.activation, plan.k, 1, plan.buckets)
         out = _call(graph, fake_mode, OPS.sparse_mlp.default, block.input, idx,
                     first.weight_node, first.bias_node, up_w, w2_t, down.bias_node, block.act)
     _tag(block.layer, plan, idx, out)
@@ -307,7 +312,8 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
                 w1, b1, w2, b2 = _predictor_nodes(gm, ctx, block.layer, "attention", block,
                                                   fake_mode)
                 idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
-                            w1, b1, w2, b2, plan.activation, plan.k, plan.group)
+                            w1, b1, w2, b2, plan.activation, plan.k, plan.group,
+                            plan.buckets)
             q_new = _call(graph, fake_mode, OPS.sparse_head_proj.default, block.input, idx,
                           q.weight_node, q.bias_node, hd)
         _tag(block.layer, plan, idx, q_new)

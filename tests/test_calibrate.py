@@ -49,6 +49,29 @@ def test_calibration_with_lookahead(tiny, tmp_path):
     assert dejavu_compile.report(model).counters["lookahead[mlp]"] >= 1
 
 
+def test_calibration_with_buckets(tiny, tmp_path):
+    """Predictors calibrated for a top-k per bucket say so in the profile, and the backend
+    takes the same selection."""
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    result = cal.calibrate(model, ids, "tiny-llama", tmp_path / "b.yaml", target_density=0.9,
+                           rank=8, epochs=2, bucket_units=32, progress=False)
+    layer = result.profile.layer(1).mlp
+    assert layer.selector == "predictor" and layer.buckets == 3  # 96 neurons, buckets of 32
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu", options={
+            "profile": str(tmp_path / "b.yaml")}), prompt())
+    rep = dejavu_compile.report(model)
+    assert rep.layers[1].mlp.k % 3 == 0
+
+
+def test_bucketed_recall_counts_the_global_top_k():
+    true = torch.tensor([[9.0, 8.0, 7.0, 6.0, 1.0, 2.0, 3.0, 4.0]])
+    # the global top four sit in the first bucket: two per bucket finds only half of them
+    assert cal.recall_at(true, true, 4) == 1.0
+    assert cal.recall_at(true, true, 4, buckets=2) == 0.5
+
+
 def test_predictor_recovers_a_planted_pattern():
     gen = torch.Generator().manual_seed(0)
     d, n, tokens = 32, 64, 4096

@@ -12,6 +12,7 @@ from dejavu_compile.kernels import reference as ref
 
 heads = pytest.importorskip("dejavu_compile.kernels.heads")
 sparse_mlp = pytest.importorskip("dejavu_compile.kernels.sparse_mlp")
+bucket_select = pytest.importorskip("dejavu_compile.kernels.bucket_select")
 
 # Tolerances against the fp64 reference, per input dtype (kernels accumulate in fp32).
 TOL = {
@@ -106,3 +107,27 @@ def test_kernels_refuse_unsupported_dtype():
         sparse_mlp.sparse_mlp(x, torch.zeros(1, 1, 2, dtype=torch.int64), torch.randn(4, 8),
                               None, None, torch.randn(4, 8), None, "relu")
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("units,k,group,buckets", [
+    (40, 20, 1, 1),  # the heads of a layer: one bucket
+    (96, 24, 1, 4),  # neurons in four buckets
+    (12, 6, 3, 1),  # KV groups expanded to their heads
+    (30, 3, 1, 3),  # one unit kept per bucket
+    (5, 5, 1, 5),  # every unit kept
+    (3, 1, 4, 1),  # a single selected group
+])
+@pytest.mark.parametrize("act,bias", [("relu", True), ("none", False), ("gelu", True)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bucket_selector_kernel(dtype, units, k, group, buckets, act, bias, batch):
+    """The two-launch Triton selector picks the same set as the reference, per row."""
+    d, rank = 37, 12
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    w1, w2 = _rand(rank, d, dtype=dtype, seed=1), _rand(units, rank, dtype=dtype, seed=2)
+    b1 = _rand(rank, dtype=dtype, seed=3) if bias else None
+    b2 = _rand(units, dtype=dtype, seed=4) if bias else None
+    want = ref.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets)
+    got = bucket_select.select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
+    assert got.shape == want.shape == (batch, 1, k * group)
+    assert torch.equal(got.sort(dim=-1).values, want)

@@ -156,6 +156,33 @@ def test_fake_implementation_matches_real(name, args):
     assert got.shape == want.shape and got.dtype == want.dtype and got.device == want.device
 
 
+def test_bucket_topk_takes_each_buckets_share():
+    scores = _rand(3, 24, seed=5)
+    ids = ref.bucket_topk(scores, 8, 4)
+    assert ids.shape == (3, 8)
+    for row, chosen in zip(scores, ids):
+        for b in range(4):  # two per bucket of six, the bucket's two largest
+            mine = chosen[(chosen >= 6 * b) & (chosen < 6 * b + 6)]
+            assert torch.equal(mine, (row[6 * b:6 * b + 6].topk(2).indices + 6 * b).sort().values)
+    assert torch.equal(ref.bucket_topk(scores, 8, 1), ref.topk_indices(scores, 8))
+    with pytest.raises(ValueError, match="buckets must divide"):
+        ref.bucket_topk(scores, 6, 4)
+
+
+@pytest.mark.parametrize("max_bucket", [1024, 2])  # the Triton selector, the PyTorch fallback
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_gpu_predictor_selects_the_same_set_with_buckets(monkeypatch, max_bucket, buckets):
+    from dejavu_compile.kernels import bucket_select, predictor
+
+    monkeypatch.setattr(bucket_select, "MAX_BUCKET", max_bucket)
+    x = _rand(3, 1, 12)
+    w1, b1, w2, b2 = _rand(5, 12, seed=1), _rand(5, seed=2), _rand(30, 5, seed=3), _rand(30, seed=4)
+    want = OPS.select_predictor(x, w1, b1, w2, b2, "relu", 6, 2, buckets)
+    got = predictor.select_predictor(x, w1, b1, w2, b2, "relu", 6, 2, buckets)
+    assert got.shape == want.shape
+    assert torch.equal(got.sort(dim=-1).values, want)
+
+
 def test_gpu_predictor_selects_the_same_set():
     from dejavu_compile.kernels import predictor
 

@@ -27,9 +27,10 @@ def _identity(model, name="tiny") -> ModelIdentity:
 
 
 def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=True,
-                              lookahead=False):
+                              lookahead=False, buckets=1):
     """Random predictors for every block (layer 0 dense unless ``dense_first`` is False); with
-    ``lookahead``, layers after the first read the previous layer's input."""
+    ``lookahead``, layers after the first read the previous layer's input; MLP predictors take
+    their top-k per bucket when ``buckets`` > 1."""
     ident = _identity(model)
     gen = torch.Generator().manual_seed(3)
     tensors, layers = {}, []
@@ -44,7 +45,8 @@ def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=
             tensors[f"layers.{i}.{kind}.b2"] = torch.randn(units, generator=gen)
             blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
                                         rank=rank, activation="relu", recall=0.5,
-                                        input="previous" if lookahead and i > 0 else "same")
+                                        input="previous" if lookahead and i > 0 else "same",
+                                        buckets=buckets if kind == "mlp" else 1)
         layers.append(LayerProfile(index=i, **blocks))
     profile = Profile(model=ident, layers=tuple(layers), predictor_file="tiny.safetensors")
     path = tmp_path / "tiny.yaml"
@@ -52,17 +54,22 @@ def _random_predictor_profile(model, tmp_path, rank=8, density=0.5, dense_first=
     return path, tensors
 
 
-def _predictor_reference_hooks(model, tensors, density, dense_first=True, lookahead=False):
+def _predictor_reference_hooks(model, tensors, density, dense_first=True, lookahead=False,
+                               buckets=1):
     """Eager hooks doing what a predictor profile means: per decoded token, the predictor's
     top-k heads (queries and output projection) and neurons (down projection input), predicted
-    from the block's input or, with ``lookahead``, from the previous layer's (layer 0: its own)."""
-    from dejavu_compile.kernels.reference import topk_indices
+    from the block's input or, with ``lookahead``, from the previous layer's (layer 0: its own);
+    the neurons' top-k taken per bucket of units when ``buckets`` > 1."""
 
     def predict(x, layer, kind, units):
         w1, w2, b2 = (tensors[f"layers.{layer}.{kind}.{n}"] for n in ("w1", "w2", "b2"))
         logits = torch.relu(x @ w1.t()) @ w2.t() + b2
-        k = max(1, round(density * units))
-        return torch.zeros_like(logits).scatter_(-1, topk_indices(logits, k), 1.0)
+        b = buckets if kind == "mlp" else 1
+        per = units // b
+        rows = logits.reshape(-1, units).view(-1, b, per)  # each bucket's top share, by hand
+        keep = torch.zeros_like(rows).scatter_(-1, rows.topk(max(1, round(density * per))).indices,
+                                               1.0)
+        return keep.reshape(logits.shape)
 
     handles, state = [], {}
     heads = model.config.num_attention_heads
@@ -107,14 +114,14 @@ def _predictor_reference_hooks(model, tensors, density, dense_first=True, lookah
     return handles
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_predictor_profile_matches_reference(tiny, arch, tmp_path):
+@pytest.mark.parametrize("arch,buckets", [("llama", 1), ("gemma3", 1), ("llama", 4)])
+def test_predictor_profile_matches_reference(tiny, arch, buckets, tmp_path):
     model = tiny(arch)
-    path, tensors = _random_predictor_profile(model, tmp_path)
+    path, tensors = _random_predictor_profile(model, tmp_path, buckets=buckets)
     ids = prompt()
     with torch.no_grad():
         want = _reference_logits(
-            model, ids, lambda: _predictor_reference_hooks(model, tensors, 0.5))
+            model, ids, lambda: _predictor_reference_hooks(model, tensors, 0.5, buckets=buckets))
         compiled = torch.compile(model, backend="dejavu", options={"profile": str(path)})
         got = _decode_logits(compiled, ids)
     torch.testing.assert_close(got, want, **FP32)
@@ -143,6 +150,9 @@ def test_profile_round_trips(tiny, tmp_path):
         (lambda d: d["layers"][1]["attention"].update(selector="magic"), "layer 1, attention"),
         (lambda d: d["layers"].pop(), "'layers' must list each index 0..1"),
         (lambda d: d["layers"][0].update(extra=1), "layer 0 has unknown field"),
+        (lambda d: d["layers"][1]["mlp"].update(buckets=5), "layer 1, mlp: buckets must be a "
+                                                           "positive divisor of units"),
+        (lambda d: d["layers"][0]["mlp"].update(buckets=2), "buckets apply to predictor blocks"),
     ],
 )
 def test_malformed_profile_names_the_field(tiny, tmp_path, edit, message):

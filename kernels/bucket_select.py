@@ -1,0 +1,126 @@
+"""Triton kernels of the bucketed learned selector (see ``kernels/predictor.py``): a hidden
+GEMV with the activation fused, then one program per bucket that scores its units and keeps
+their top ``k / buckets`` in registers. Reference: ``kernels/reference.py::select_predictor``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import ACT_CODES, INTERPRET, apply_act, check_dtype
+
+# The largest bucket one program ranks (units, padded to a power of two).
+MAX_BUCKET = 1024
+
+
+def _hidden_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_H": 4, "BLOCK_D": 16}, num_warps=1)]
+    shapes = [(1, 512, 2), (1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8)]
+    return [triton.Config({"BLOCK_H": h, "BLOCK_D": d}, num_warps=w) for h, d, w in shapes]
+
+
+@triton.autotune(configs=_hidden_configs(), key=["D", "RANK"])
+@triton.jit
+def _hidden_kernel(
+    x_ptr, w1_ptr, b1_ptr, z_ptr,
+    D, RANK,
+    stride_x, stride_w1, stride_z,
+    HAS_B1: tl.constexpr, ACT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_h, row = tl.program_id(0), tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < RANK
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w = tl.load(w1_ptr + offs_h[:, None] * stride_w1 + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    if HAS_B1:
+        acc += tl.load(b1_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    if ACT >= 0:
+        acc = apply_act(acc, ACT)
+    tl.store(z_ptr + row * stride_z + offs_h, acc, mask=mask_h)
+
+
+@triton.jit
+def _bucket_kernel(
+    z_ptr, w2_ptr, b2_ptr, out_ptr,
+    RANK, SIZE, KEEP,
+    stride_z, stride_w2, stride_out,
+    HAS_B2: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    bucket, row = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < SIZE
+    units = bucket * SIZE + offs_s
+    acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for r0 in range(0, RANK, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < RANK
+        z = tl.load(z_ptr + row * stride_z + offs_r, mask=mask_r, other=0.0)
+        w = tl.load(w2_ptr + units[:, None] * stride_w2 + offs_r[None, :],
+                    mask=mask_s[:, None] & mask_r[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * z[None, :], 1)
+    if HAS_B2:
+        acc += tl.load(b2_ptr + units, mask=mask_s, other=0.0).to(tl.float32)
+    # Order-preserving integer image of the fp32 score (negative floats have their magnitude
+    # bits flipped), above the unit's position: a descending sort of the keys ranks the scores.
+    bits = acc.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    keys = (bits.to(tl.int64) << 32) | offs_s.to(tl.int64)
+    keys = tl.where(mask_s, keys, -9223372036854775807 - 1)
+    top = tl.topk(keys, BLOCK_K)
+    ids = bucket * SIZE + (top & 0xFFFFFFFF)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < KEEP
+    base = out_ptr + row * stride_out + (bucket * KEEP + offs_k) * GROUP
+    if GROUP == 1:
+        tl.store(base, ids, mask=mask_k)
+    else:
+        offs_g = tl.arange(0, GROUP_P2)
+        tl.store(base[:, None] + offs_g[None, :], ids[:, None] * GROUP + offs_g[None, :],
+                 mask=mask_k[:, None] & (offs_g < GROUP)[None, :])
+
+
+def bucketed(units: int, buckets: int) -> bool:
+    """Whether the Triton selector ranks these buckets (each fits one program)."""
+    return units % buckets == 0 and units // buckets <= MAX_BUCKET
+
+
+def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int
+                            ) -> torch.Tensor:
+    """The two-launch selector (module doc); ids [..., k * group], unsorted."""
+    check_dtype("select_predictor", x, w1, w2)
+    d, rank, units = x.shape[-1], w1.shape[0], w2.shape[0]
+    if k % buckets:
+        raise ValueError(f"select_predictor: {buckets} buckets must divide k ({k})")
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    w1, w2 = w1.contiguous(), w2.contiguous()
+    n = rows.shape[0]
+    z = torch.empty(n, rank, dtype=torch.float32, device=x.device)
+    act_code = -1 if act == "none" else ACT_CODES[act]
+    _hidden_kernel[lambda meta: (triton.cdiv(rank, meta["BLOCK_H"]), n)](
+        rows, w1, b1 if b1 is not None else w1, z, d, rank,
+        rows.stride(0), w1.stride(0), z.stride(0),
+        HAS_B1=b1 is not None, ACT=act_code,
+    )
+    size, keep = units // buckets, k // buckets
+    out = torch.empty(n, k * group, dtype=torch.int64, device=x.device)
+    block_s = max(2, triton.next_power_of_2(size))  # tl.topk needs two or more
+    _bucket_kernel[(buckets, n)](
+        z, w2, b2 if b2 is not None else w2, out, rank, size, keep,
+        z.stride(0), w2.stride(0), out.stride(0),
+        HAS_B2=b2 is not None, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+        BLOCK_S=block_s, BLOCK_R=max(16, min(128, triton.next_power_of_2(rank), 8192 // block_s)),
+        BLOCK_K=max(2, triton.next_power_of_2(keep)), num_warps=4 if block_s <= 256 else 8,
+    )
+    return out.reshape(*x.shape[:-1], k * group)
