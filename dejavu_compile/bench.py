@@ -351,8 +351,8 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = None
-    if breakdown:  # more steps at the end of the cache (it was sized with one spare slot)
-        pos = torch.tensor([prompt + new], device="cuda")
+    if breakdown:  # the last step again (it rewrites the same cache slot)
+        pos = torch.tensor([prompt + new - 1], device="cuda")
         kernels = _kernel_breakdown(lambda: forward(
             input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos[None],
             attention_mask=mask, use_cache=True))
