@@ -241,16 +241,14 @@ class DecodeResult:
     breakdown: list[dict] | None = None  # GPU kernel time per step, by kernel name
 
 
-def _kernel_breakdown(step, steps: int = 8, top: int = 12) -> list[dict]:
-    """GPU time per decode step of each kernel name, from the profiler over ``steps`` calls of
-    ``step()``, largest first; a last row totals every kernel."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+
+def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
+    """GPU time per decode step of each kernel name in a finished profiler run over ``steps``
+    decode steps, largest first; a last row totals every kernel."""
+    from torch.autograd import DeviceType
+
     rows = []
     for ev in prof.key_averages():
         if ev.device_type != DeviceType.CUDA:
@@ -265,58 +263,6 @@ def _kernel_breakdown(step, steps: int = 8, top: int = 12) -> list[dict]:
     return rows[:top] + [total]
 
 
-def random_model(cfg, dtype=torch.float16):
-    """A randomly initialised causal LM of ``cfg``'s shape on the GPU, in eval mode."""
-    import transformers as tf
-
-    cfg = cfg.__class__.from_dict(cfg.to_dict())
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.eval()
-
-
-def random_profile(model, mlp_density: float, attention_density: float, rank: int, path,
-                   lookahead: bool = False, bucket_units: int = BUCKET_UNITS):
-    """A profile with random predictors (speed does not depend on their values); layer 0 dense.
-
-    Densities of 1.0 leave that block dense (no selector): the dense pipeline. With
-    ``lookahead``, each predictor reads the previous layer's input."""
-    from dejavu_compile.profile import (BlockProfile, LayerProfile, ModelIdentity, Profile,
-                                        default_buckets, save_profile)
-
-    ident = ModelIdentity.from_config(model.config, f"random-{model.config.model_type}")
-    tensors, layers = {}, []
-    gen = torch.Generator().manual_seed(0)
-    for i in range(ident.num_layers):
-        blocks = {}
-        for kind, units, density in (("mlp", ident.intermediate_size, mlp_density),
-                                     ("attention", ident.num_heads, attention_density)):
-            if i == 0 or density >= 1.0:
-                blocks[kind] = BlockProfile()
-                continue
-            tensors[f"layers.{i}.{kind}.w1"] = torch.randn(rank, ident.hidden_size, generator=gen)
-            tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
-            blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
-                                        rank=rank, activation="relu",
-                                        input="previous" if lookahead else "same",
-                                        buckets=default_buckets(units, bucket_units))
-        layers.append(LayerProfile(index=i, **blocks))
-    profile = Profile(model=ident, layers=tuple(layers),
-                      predictor_file=f"{path.stem}.safetensors" if tensors else None)
-    return save_profile(profile, path, tensors or None)
-
-
-def _mark_cache_static(cache) -> None:
-    """Mark the (initialised) cache tensors as static addresses, so CUDA graphs read and write
-    them in place: Inductor skips CUDA graphs for a graph that mutates other inputs."""
-    for layer in cache.layers:
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                torch._dynamo.mark_static_address(value)
-
-
 @torch.no_grad()
 def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
                    warmup: int = 2, breakdown: bool = False) -> DecodeResult:
@@ -325,21 +271,27 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     plain) forward to call for decode steps."""
     from transformers import StaticCache
 
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
-    times = []
+    times, prof = [], None
+    extra = PROFILED_STEPS if breakdown else 0
     for rep in range(warmup + 1):
-        cache = StaticCache(config=model.config, max_cache_len=prompt + new + 1)
+        cache = StaticCache(config=model.config, max_cache_len=prompt + new + extra + 1)
         model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"),
               use_cache=True)
         _mark_cache_static(cache)
         tok = ids[:, -1:]
         # A mask over the whole static cache and explicit positions keep the decode step free of
         # data-dependent shapes (OPT otherwise sizes its mask by the cache's filled length).
-        mask = torch.ones(1, prompt + new + 1, dtype=torch.long, device="cuda")
+        mask = torch.ones(1, prompt + new + extra + 1, dtype=torch.long, device="cuda")
         torch.cuda.synchronize()
         steps = []
-        for i in range(new if rep == warmup else 4):
+        for i in range(new + extra if rep == warmup else 4):
+            if rep == warmup and i == new and breakdown:  # the profiled steps follow the timed
+                prof = profile(activities=[ProfilerActivity.CUDA])
+                prof.start()
             start = time.perf_counter()
             pos = torch.tensor([prompt + i], device="cuda")
             out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
@@ -347,15 +299,12 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
             tok = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             steps.append(1e3 * (time.perf_counter() - start))
-        times = steps
+        times = steps[:new]
+    if prof is not None:
+        prof.stop()
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    kernels = None
-    if breakdown:  # the last step again (it rewrites the same cache slot)
-        pos = torch.tensor([prompt + new - 1], device="cuda")
-        kernels = _kernel_breakdown(lambda: forward(
-            input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos[None],
-            attention_mask=mask, use_cache=True))
+    kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
     return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
                         kernels)
 
