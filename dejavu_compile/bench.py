@@ -201,10 +201,12 @@ def _selector_sweep(name, cfg, densities, dtype, rank: int = 128) -> list[dict]:
             if density >= 1.0:
                 continue
             k = kept_units(density, units, buckets)
-            ours = _time_layers(lambda i, k=k: predictor.select_predictor(
-                x, sets[i][0], None, sets[i][1], None, "relu", k, 1, buckets), LAYERS)
-            flat = _time_layers(lambda i, k=k: predictor.select_predictor(
-                x, sets[i][0], None, sets[i][1], None, "relu", k, 1, 1), LAYERS)
+            def select(i, k=k, sets=sets, buckets=buckets):
+                w1, w2 = sets[i]
+                return predictor.select_predictor(x, w1, None, w2, None, "relu", k, 1, buckets)
+
+            ours = _time_layers(select, LAYERS)
+            flat = _time_layers(functools.partial(select, buckets=1), LAYERS)
             rows.append({
                 "model": name, "block": f"{block} ({buckets} buckets)", "density": density,
                 "k": k, "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
@@ -263,15 +265,72 @@ def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
     return rows[:top] + [total]
 
 
+def random_model(cfg, dtype=torch.float16):
+    """A randomly initialised causal LM of ``cfg``'s shape on the GPU, in eval mode."""
+    import transformers as tf
+
+    cfg = cfg.__class__.from_dict(cfg.to_dict())
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def random_profile(model, mlp_density: float, attention_density: float, rank: int, path,
+                   lookahead: bool = False, bucket_units: int = BUCKET_UNITS):
+    """A profile with random predictors (speed does not depend on their values); layer 0 dense.
+
+    Densities of 1.0 leave that block dense (no selector): the dense pipeline. With
+    ``lookahead``, each predictor reads the previous layer's input."""
+    from dejavu_compile.profile import (
+        BlockProfile,
+        LayerProfile,
+        ModelIdentity,
+        Profile,
+        default_buckets,
+        save_profile,
+    )
+
+    ident = ModelIdentity.from_config(model.config, f"random-{model.config.model_type}")
+    tensors, layers = {}, []
+    gen = torch.Generator().manual_seed(0)
+    for i in range(ident.num_layers):
+        blocks = {}
+        for kind, units, density in (("mlp", ident.intermediate_size, mlp_density),
+                                     ("attention", ident.num_heads, attention_density)):
+            if i == 0 or density >= 1.0:
+                blocks[kind] = BlockProfile()
+                continue
+            tensors[f"layers.{i}.{kind}.w1"] = torch.randn(rank, ident.hidden_size, generator=gen)
+            tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
+            blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
+                                        rank=rank, activation="relu",
+                                        input="previous" if lookahead else "same",
+                                        buckets=default_buckets(units, bucket_units))
+        layers.append(LayerProfile(index=i, **blocks))
+    profile = Profile(model=ident, layers=tuple(layers),
+                      predictor_file=f"{path.stem}.safetensors" if tensors else None)
+    return save_profile(profile, path, tensors or None)
+
+
+def _mark_cache_static(cache) -> None:
+    """Mark the (initialised) cache tensors as static addresses, so CUDA graphs read and write
+    them in place: Inductor skips CUDA graphs for a graph that mutates other inputs."""
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                torch._dynamo.mark_static_address(value)
+
+
 @torch.no_grad()
 def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
                    warmup: int = 2, breakdown: bool = False) -> DecodeResult:
     """Per-token latency of ``new`` decode steps after a ``prompt``-token prefill (run eagerly:
     only the decode step is compiled), with a static cache; ``forward`` is the (compiled or
     plain) forward to call for decode steps."""
-    from transformers import StaticCache
-
     from torch.profiler import ProfilerActivity, profile
+    from transformers import StaticCache
 
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")

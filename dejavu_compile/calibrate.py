@@ -22,8 +22,16 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 from tqdm import tqdm
 
-from .profile import (BUCKET_UNITS, BlockProfile, LayerProfile, ModelIdentity, Profile,
-                      default_buckets, kept_units, save_profile)
+from .profile import (
+    BUCKET_UNITS,
+    BlockProfile,
+    LayerProfile,
+    ModelIdentity,
+    Profile,
+    default_buckets,
+    kept_units,
+    save_profile,
+)
 
 log = logging.getLogger("dejavu_compile")
 
