@@ -160,7 +160,7 @@ def test_bucket_topk_takes_each_buckets_share():
     scores = _rand(3, 24, seed=5)
     ids = ref.bucket_topk(scores, 8, 4)
     assert ids.shape == (3, 8)
-    for row, chosen in zip(scores, ids):
+    for row, chosen in zip(scores, ids, strict=True):
         for b in range(4):  # two per bucket of six, the bucket's two largest
             mine = chosen[(chosen >= 6 * b) & (chosen < 6 * b + 6)]
             assert torch.equal(mine, (row[6 * b:6 * b + 6].topk(2).indices + 6 * b).sort().values)
