@@ -15,7 +15,7 @@ the density (fraction of units kept per decoded token) and the measured predicto
         attention: {selector: dense}
       - index: 1
         mlp: {selector: predictor, density: 0.5, units: 1536, rank: 128, activation: relu,
-              input: same, buckets: 6, recall: 0.91, precision: 0.88}
+              input: same, buckets: 12, recall: 0.91, precision: 0.88}
         attention: {selector: dense}
 
 ``buckets`` (predictors only, default 1): the top-k is taken as the top ``k / buckets`` of each
@@ -44,7 +44,7 @@ BLOCK_KINDS = ("mlp", "attention")
 
 # A predictor's top-k is taken per bucket of this many units (at most) when the profile says
 # ``buckets`` > 1: one GPU program scores and ranks a bucket in registers (kernels/predictor.py).
-BUCKET_UNITS = 256
+BUCKET_UNITS = 128
 
 
 class ProfileError(ValueError):

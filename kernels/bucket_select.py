@@ -77,9 +77,11 @@ def _bucket_kernel(
     keys = (bits.to(tl.int64) << 32) | offs_s.to(tl.int64)
     keys = tl.where(mask_s, keys, -9223372036854775807 - 1)
     top = tl.topk(keys, BLOCK_K)
-    ids = bucket * SIZE + (top & 0xFFFFFFFF)
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < KEEP
+    # the kept ids in ascending order (the rest pushed past them): reads walk memory forwards
+    local = tl.sort(tl.where(mask_k, top & 0xFFFFFFFF, 0x7FFFFFFF))
+    ids = bucket * SIZE + local
     base = out_ptr + row * stride_out + (bucket * KEEP + offs_k) * GROUP
     if GROUP == 1:
         tl.store(base, ids, mask=mask_k)

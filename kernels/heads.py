@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_dtype, tile_configs
+from .triton_common import check_dtype, finish, tile_configs
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def sparse_head_proj(x, idx, w, b, head_dim: int) -> torch.Tensor:
         rows.stride(0), sel.stride(0), w.stride(0), out.stride(0),
         HAS_B=b is not None,
     )
-    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return finish(out, None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
@@ -101,6 +101,4 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
         d_out, j, head_dim,
         rows.stride(0), sel.stride(0), wo_t.stride(0), out.stride(0),
     )
-    if b is not None:
-        out += b
-    return out.to(attn.dtype).reshape(*attn.shape[:-1], d_out)
+    return finish(out, b, attn.dtype).reshape(*attn.shape[:-1], d_out)

@@ -16,8 +16,8 @@ BENCHMARKS.md). A one-program radix select over all 20K units was tried in its p
 slower (13.5 ms per token against 8.4 ms for OPT-13B at MLP 0.1): one program cannot scan 20K
 scores 32 times as fast as PyTorch's multi-block select; buckets split that scan over programs.
 
-The ids come out in no particular order (the reference sorts them): the sparse kernels read
-the selected rows in any order and add their contributions with atomics.
+The Triton selector writes the ids in ascending order, as the reference does, so the sparse
+kernels' reads walk memory forwards; the cuBLAS path leaves them unsorted.
 Reference: ``kernels/reference.py::select_predictor`` and ``bucket_topk``.
 """
 

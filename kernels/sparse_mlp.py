@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import ACT_CODES, apply_act, check_dtype, tile_configs
+from .triton_common import ACT_CODES, apply_act, check_dtype, finish, tile_configs
 
 
 @triton.autotune(configs=tile_configs(), key=["D", "K"], reset_to_zero=["pre_ptr", "up_out_ptr"])
@@ -97,8 +97,11 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
     rows = x.reshape(-1, d).contiguous()
     sel = idx.reshape(-1, k).contiguous()
     n_rows = rows.shape[0]
-    pre = torch.zeros(2 if w_up is not None else 1, n_rows, k, device=x.device,
-                      dtype=torch.float32)
+    # one zeroed fp32 buffer (one launch) for the pre-activations and the output
+    n_pre = 2 if w_up is not None else 1
+    buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=x.device, dtype=torch.float32)
+    pre = buf[: n_pre * n_rows * k].view(n_pre, n_rows, k)
+    out = buf[n_pre * n_rows * k:].view(n_rows, d_out)
     up = w_up if w_up is not None else w1
     _up_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]), n_rows)](
         rows, sel, w1, up, pre[0], pre[-1],
@@ -106,7 +109,6 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
         rows.stride(0), sel.stride(0), w1.stride(0), up.stride(0), pre.stride(1),
         GATED=w_up is not None,
     )
-    out = torch.zeros(n_rows, d_out, device=x.device, dtype=torch.float32)
     _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d_out, m["BLOCK_D"]),
                             n_rows)](
         pre[0], pre[-1], sel, b1 if b1 is not None else w1, w2_t, out,
@@ -114,9 +116,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
         pre.stride(1), sel.stride(0), w2_t.stride(0), out.stride(0),
         ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=w_up is not None,
     )
-    if b2 is not None:
-        out += b2
-    return out.to(x.dtype).reshape(*x.shape[:-1], d_out)
+    return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)
 
 
 def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
@@ -134,16 +134,16 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
     rows = x.reshape(-1, d).contiguous()
     sel = idx.reshape(-1, k).contiguous()
     n_rows = rows.shape[0]
-    pre = torch.empty(2, n_rows, k, device=x.device, dtype=torch.float32)
-    pre[0] = g.reshape(n_rows, -1).gather(1, sel)
-    pre[1].zero_()
+    buf = torch.zeros(2 * n_rows * k + n_rows * d_out, device=x.device, dtype=torch.float32)
+    pre = buf[: 2 * n_rows * k].view(2, n_rows, k)
+    out = buf[2 * n_rows * k:].view(n_rows, d_out)
+    torch.gather(g.reshape(n_rows, -1).float(), 1, sel, out=pre[0])
     _up_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]), n_rows)](
         rows, sel, w_up, w_up, pre[1], pre[1],
         d, k,
         rows.stride(0), sel.stride(0), w_up.stride(0), w_up.stride(0), pre.stride(1),
         GATED=False,
     )
-    out = torch.zeros(n_rows, d_out, device=x.device, dtype=torch.float32)
     _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d_out, m["BLOCK_D"]),
                             n_rows)](
         pre[0], pre[1], sel, w_up, w2_t, out,
@@ -151,6 +151,4 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
         pre.stride(1), sel.stride(0), w2_t.stride(0), out.stride(0),
         ACT=ACT_CODES[act], HAS_B1=False, GATED=True,
     )
-    if b2 is not None:
-        out += b2
-    return out.to(x.dtype).reshape(*x.shape[:-1], d_out)
+    return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)

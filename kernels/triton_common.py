@@ -45,3 +45,30 @@ def check_dtype(name: str, *tensors) -> None:
     for t in tensors:
         if t is not None and t.dtype not in KERNEL_DTYPES:
             raise TypeError(f"{name}: the Triton kernel handles {KERNEL_DTYPES}, got {t.dtype}")
+
+
+@triton.jit
+def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
+                   HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    pid, row = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    v = tl.load(acc_ptr + row * stride_acc + offs, mask=mask, other=0.0)
+    if HAS_B:
+        v += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(acc + bias).to(dtype)`` in one launch: acc [R, N] fp32 (the atomics' target), bias [N]
+    or None. Each launch in a decode step costs a few microseconds of GPU time however little
+    it does, so the bias and the cast share one."""
+    if bias is None and dtype == acc.dtype:
+        return acc
+    rows, n = acc.shape
+    out = torch.empty(rows, n, dtype=dtype, device=acc.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _finish_kernel[(triton.cdiv(n, block), rows)](
+        acc, bias if bias is not None else acc, out, n, acc.stride(0), out.stride(0),
+        HAS_B=bias is not None, BLOCK=block, num_warps=4)
+    return out

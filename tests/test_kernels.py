@@ -130,4 +130,4 @@ def test_bucket_selector_kernel(dtype, units, k, group, buckets, act, bias, batc
     want = ref.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets)
     got = bucket_select.select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
     assert got.shape == want.shape == (batch, 1, k * group)
-    assert torch.equal(got.sort(dim=-1).values, want)
+    assert torch.equal(got, want)  # the same ids, in the same ascending order
