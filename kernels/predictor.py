@@ -29,7 +29,10 @@ from .reference import activate, expand_groups
 
 try:
     from .bucket_select import bucketed, select_predictor_triton
+    from .triton_common import INTERPRET
 except ImportError:  # no Triton: the PyTorch path below
+    INTERPRET = False
+
     def bucketed(units: int, buckets: int) -> bool:
         return False
 
@@ -37,7 +40,7 @@ except ImportError:  # no Triton: the PyTorch path below
 def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1
                      ) -> torch.Tensor:
     """x: [..., d]; w1: [r, d]; w2: [U, r]; returns unit ids [..., k * group] (unsorted)."""
-    if bucketed(w2.shape[0], buckets):
+    if (x.is_cuda or INTERPRET) and bucketed(w2.shape[0], buckets):
         return select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
     z = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w1, b1)
     if act == "relu":
