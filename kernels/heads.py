@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_dtype, finish, tile_configs
+from .triton_common import check_dtype, finish, reduce_configs, tile_configs
 
 
 @triton.jit
@@ -48,25 +48,27 @@ def _head_proj_kernel(
     tl.atomic_add(out_ptr + row * stride_out + wrows, acc, mask=mask)
 
 
-@triton.autotune(configs=tile_configs(), key=["DOUT", "J"], reset_to_zero=["out_ptr"])
+@triton.autotune(configs=reduce_configs(), key=["DOUT", "J"], reset_to_zero=["out_ptr"])
 @triton.jit
 def _head_out_kernel(
     a_ptr, idx_ptr, w_ptr, out_ptr,
     DOUT, J, HEAD_DIM,
     stride_a, stride_idx, stride_w, stride_out,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
 ):
     pid, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < J
-    wrows = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
-    vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
-    w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_o[None, :],
-                mask=mask[:, None] & mask_o[None, :], other=0.0)
-    tl.atomic_add(out_ptr + row * stride_out + offs_o, tl.sum(w.to(tl.float32) * vals[:, None], 0),
-                  mask=mask_o)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        offs = (pid * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = offs < J
+        wrows = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
+        vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_o[None, :],
+                    mask=mask[:, None] & mask_o[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * vals[:, None], 0)
+    tl.atomic_add(out_ptr + row * stride_out + offs_o, acc, mask=mask_o)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -95,8 +97,8 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
     rows, sel = _rows(attn), _rows(idx)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     out = torch.zeros(rows.shape[0], d_out, device=attn.device, dtype=torch.float32)
-    _head_out_kernel[lambda m: (triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d_out, m["BLOCK_D"]),
-                                rows.shape[0])](
+    _head_out_kernel[lambda m: (triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
+                                triton.cdiv(d_out, m["BLOCK_D"]), rows.shape[0])](
         rows, sel, wo_t, out,
         d_out, j, head_dim,
         rows.stride(0), sel.stride(0), wo_t.stride(0), out.stride(0),

@@ -1,14 +1,16 @@
 """Sparse MLP: gather the selected neurons' rows, activate, apply the transposed down projection.
 
-Two kernels, each over a 2-d grid of tiles with no serial loop, so that even a small selection
-puts hundreds of tiles in flight (a first version looping over d inside each program ran at a
-constant ~88 us on an H200 whatever the density: latency-bound, see BENCHMARKS.md):
+Two kernels, each over a 2-d grid of tiles with at most a short unrolled loop, so that even a
+small selection puts hundreds of tiles in flight (a first version looping over d inside each
+program ran at a constant ~88 us on an H200 whatever the density: latency-bound, see
+BENCHMARKS.md):
 
 1. ``_up_kernel``: tile (selected neurons x a slice of d) of ``x . W1[rows]`` (and of
    ``x . W_up[rows]`` for gated MLPs), added into fp32 pre-activations with atomics.
 2. ``_down_kernel``: tile (selected neurons x a slice of d_out): ``h = act(pre + b1) [* up]``
    for its neurons, times their rows of ``W2_t`` ([N, d_out], a neuron's row contiguous: paper
-   section 4.4), added into the fp32 output with atomics.
+   section 4.4), added into the fp32 output with atomics; each program first sums ``TILES``
+   (autotuned) neuron tiles in registers, so fewer atomics meet on each output.
 
 Weights are never copied: the gather is fused into the matrix-vector products (section 4.4).
 Reference: ``kernels/reference.py::sparse_mlp``.
@@ -20,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import ACT_CODES, apply_act, check_dtype, finish, tile_configs
+from .triton_common import (ACT_CODES, apply_act, check_dtype, finish, reduce_configs,
+                            tile_configs)
 
 
 @triton.autotune(configs=tile_configs(), key=["D", "K"], reset_to_zero=["pre_ptr", "up_out_ptr"])
@@ -52,7 +55,7 @@ def _up_kernel(
                       tl.sum(u.to(tl.float32) * x[None, :], 1), mask=mask_n)
 
 
-@triton.autotune(configs=tile_configs(), key=["DOUT", "K"], reset_to_zero=["out_ptr"])
+@triton.autotune(configs=reduce_configs(), key=["DOUT", "K"], reset_to_zero=["out_ptr"])
 @triton.jit
 def _down_kernel(
     # pointers
@@ -63,25 +66,27 @@ def _down_kernel(
     stride_pre, stride_idx, stride_w2t, stride_out,
     # meta-parameters
     ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
 ):
     pid_n, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < K
-    neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=0).to(tl.int64)
-    h = tl.load(pre_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
-    if HAS_B1:
-        h += tl.load(b1_ptr + neurons, mask=mask_n, other=0.0).to(tl.float32)
-    h = apply_act(h, ACT)
-    if GATED:
-        h = h * tl.load(up_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
-    h = tl.where(mask_n, h, 0.0)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
-    w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2t + offs_o[None, :],
-                 mask=mask_n[:, None] & mask_o[None, :], other=0.0)
-    tl.atomic_add(out_ptr + row * stride_out + offs_o, tl.sum(w2.to(tl.float32) * h[:, None], 0),
-                  mask=mask_o)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < K
+        neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=0).to(tl.int64)
+        h = tl.load(pre_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
+        if HAS_B1:
+            h += tl.load(b1_ptr + neurons, mask=mask_n, other=0.0).to(tl.float32)
+        h = apply_act(h, ACT)
+        if GATED:
+            h = h * tl.load(up_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
+        h = tl.where(mask_n, h, 0.0)
+        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2t + offs_o[None, :],
+                     mask=mask_n[:, None] & mask_o[None, :], other=0.0)
+        acc += tl.sum(w2.to(tl.float32) * h[:, None], 0)
+    tl.atomic_add(out_ptr + row * stride_out + offs_o, acc, mask=mask_o)
 
 
 def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
@@ -109,8 +114,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
         rows.stride(0), sel.stride(0), w1.stride(0), up.stride(0), pre.stride(1),
         GATED=w_up is not None,
     )
-    _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d_out, m["BLOCK_D"]),
-                            n_rows)](
+    _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                            triton.cdiv(d_out, m["BLOCK_D"]), n_rows)](
         pre[0], pre[-1], sel, b1 if b1 is not None else w1, w2_t, out,
         d_out, k,
         pre.stride(1), sel.stride(0), w2_t.stride(0), out.stride(0),
@@ -144,8 +149,8 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
         rows.stride(0), sel.stride(0), w_up.stride(0), w_up.stride(0), pre.stride(1),
         GATED=False,
     )
-    _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d_out, m["BLOCK_D"]),
-                            n_rows)](
+    _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                            triton.cdiv(d_out, m["BLOCK_D"]), n_rows)](
         pre[0], pre[1], sel, w_up, w2_t, out,
         d_out, k,
         pre.stride(1), sel.stride(0), w2_t.stride(0), out.stride(0),

@@ -40,6 +40,17 @@ def tile_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w) for n, d, w in shapes]
 
 
+def reduce_configs() -> list[triton.Config]:
+    """Configs of the kernels whose tiles all add into the same outputs (the down and output
+    projections): ``TILES`` neuron tiles per program are summed in registers before one atomic
+    add, so fewer atomics meet on each output than with one tile per program."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 8, "BLOCK_D": 16, "TILES": 2}, num_warps=1)]
+    shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (64, 64, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_D": d, "TILES": t}, num_warps=w)
+            for n, d, w in shapes for t in (1, 2, 4, 8)]
+
+
 def check_dtype(name: str, *tensors) -> None:
     """Raise a clear error for a dtype the kernels do not handle (they accumulate in fp32)."""
     for t in tensors:
