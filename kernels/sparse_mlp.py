@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (ACT_CODES, apply_act, check_dtype, finish, reduce_configs,
-                            tile_configs)
+from .triton_common import ACT_CODES, apply_act, check_dtype, finish, reduce_configs, tile_configs
 
 
 @triton.autotune(configs=tile_configs(), key=["D", "K"], reset_to_zero=["pre_ptr", "up_out_ptr"])
