@@ -45,6 +45,10 @@ CONTEXT = 256  # tokens per calibration sequence
 LR, BATCH = 1e-2, 128
 SENSITIVITY_TOKENS = 512  # tokens of calibration text each sensitivity forward pass scores
 CALIBRATION_SELECTORS = ("predictor", "gate", "threshold")
+# weights of the greedy allocation against the uniform spread tried by ``blend_allocation``,
+# and the byte overshoot it allows (a blend keeps a predictor on a layer one side left dense)
+BLEND_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
+BLEND_SLACK = 0.01
 DEFAULT_SELECTORS = ("predictor",)
 
 
@@ -219,13 +223,15 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
 
 
 @torch.no_grad()
-def recall_by_density(pred: Predictor, quality: dict) -> dict[float, float]:
-    """Recall of the true top-k by the predictor's top-k at each density step, on the held-out
-    calibration tokens of ``train_predictor``."""
+@torch.no_grad()
+def recall_by_density(pred: Predictor, quality: dict,
+                      densities=DENSITY_STEPS) -> dict[float, float]:
+    """Recall of the true top-k by the predictor's top-k at each density (default: the steps),
+    on the held-out calibration tokens of ``train_predictor``."""
     h = quality["val_h"].float().abs()
     scores, buckets = pred(quality["val_x"]), quality.get("buckets", 1)
     return {d: recall_at(scores, h, kept_units(d, h.shape[1], buckets), buckets)
-            for d in DENSITY_STEPS}
+            for d in densities}
 
 
 def _keep_top(t: torch.Tensor, scores: torch.Tensor, density: float,
@@ -261,14 +267,10 @@ def _sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor, desc: str, ho
     return out
 
 
-def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predictor],
-                     ids: torch.Tensor, progress: bool = True,
-                     sources: dict[int, torch.nn.Module] | None = None, buckets: int = 1,
-                     ) -> dict[int, dict[float, float]]:
-    """Measured sensitivity of each layer to its predictor (see ``_sensitivity``): the MLP keeps
-    only the predictor's top-k neurons. ``sources`` names, per layer, the module whose input the
-    predictor reads (default: the layer's first projection; with lookahead, the previous
-    layer's); ``buckets`` as the profile will say."""
+def predictor_hooks(predictors: dict[int, Predictor],
+                    sources: dict[int, torch.nn.Module] | None = None, buckets: int = 1):
+    """``hooks(trace, density)`` that make one layer's MLP keep only its predictor's top-k
+    neurons (see ``loss_sensitivity``) and return the hook handles."""
 
     def hooks(trace, density):
         pred, seen = predictors[trace.layer], {}
@@ -284,7 +286,60 @@ def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predic
         return [source.register_forward_pre_hook(keep_x),
                 trace.down.register_forward_pre_hook(mask_h)]
 
+    return hooks
+
+
+def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predictor],
+                     ids: torch.Tensor, progress: bool = True,
+                     sources: dict[int, torch.nn.Module] | None = None, buckets: int = 1,
+                     ) -> dict[int, dict[float, float]]:
+    """Measured sensitivity of each layer to its predictor (see ``_sensitivity``): the MLP keeps
+    only the predictor's top-k neurons. ``sources`` names, per layer, the module whose input the
+    predictor reads (default: the layer's first projection; with lookahead, the previous
+    layer's); ``buckets`` as the profile will say."""
+    hooks = predictor_hooks(predictors, sources, buckets)
     return _sensitivity(model, traces, ids, "sensitivity", hooks, progress)
+
+
+@torch.no_grad()
+def joint_loss(model, traces: list[MLPTrace], ids: torch.Tensor, densities: dict[int, float],
+               hooks) -> float:
+    """The model's mean next-token loss on ``ids`` with every layer below density 1.0 running
+    its selector at once (``hooks`` as for ``_sensitivity``)."""
+    handles = []
+    try:
+        for trace in traces:
+            if densities.get(trace.layer, 1.0) < 1.0:
+                handles += hooks(trace, densities[trace.layer])
+        return model(ids, labels=ids).loss.item()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def blend_allocation(adaptive: dict[int, float], flat: dict[int, float], dense_bytes: dict,
+                     predictor_bytes: dict, target: float, loss, steps=BLEND_STEPS
+                     ) -> tuple[dict[int, float], dict[float, float]]:
+    """Per-layer predictor densities between the greedy allocation (``adaptive``, weight 1) and
+    the uniform spread (``flat``, weight 0), the weight chosen by ``loss(densities)``: the joint
+    loss with every layer sparse at once, which the greedy allocation (one layer at a time)
+    does not see. Blends reading more than ``target`` of the bytes are skipped. Returns the
+    densities and the loss of each weight tried."""
+    total = sum(dense_bytes.values())
+    tried, best = {}, None
+    for w in steps:
+        dens = {layer: round(w * adaptive.get(layer, 1.0) + (1 - w) * flat.get(layer, 1.0), 4)
+                for layer in dense_bytes}
+        used = sum(d * dense_bytes[layer] + (predictor_bytes.get(layer, 0) if d < 1.0 else 0)
+                   for layer, d in dens.items())
+        if used > target * total * (1 + BLEND_SLACK):
+            continue
+        tried[w] = loss(dens)
+        if best is None or tried[w] < tried[best[0]]:
+            best = (w, dens)
+    if best is None:
+        return adaptive, tried
+    return best[1], tried
 
 
 def gate_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
@@ -442,6 +497,10 @@ class Calibration:
     uniform_profile: Profile
     predictors: dict[str, torch.Tensor]
     quality: dict[int, dict]
+    # joint loss on the sensitivity tokens per weight of the greedy allocation in its blend
+    # with the uniform spread (predictor-only calibrations; see ``blend_allocation``)
+    blend: dict[float, float] = dataclasses.field(default_factory=dict)
+    greedy: dict[int, float] = dataclasses.field(default_factory=dict)  # densities before it
 
 
 def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
@@ -462,7 +521,11 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     selector and density that save the most bytes for the least measured loss.
 
     Predictors take their top-k per bucket of at most ``bucket_units`` neurons (0: one top-k
-    over all neurons); recall and sensitivity are measured on that selection."""
+    over all neurons); recall and sensitivity are measured on that selection.
+
+    With predictors only, the written allocation is the blend of the greedy one and the uniform
+    spread with the lowest joint loss on the sensitivity tokens (``blend_allocation``; the
+    losses tried are in ``Calibration.blend``), so it is never worse there than uniform."""
     unknown = set(selectors) - set(CALIBRATION_SELECTORS)
     if unknown or not selectors:
         raise ValueError(f"selectors must be among {CALIBRATION_SELECTORS}, got {selectors}")
@@ -475,7 +538,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             if prev.layer == trace.layer - 1:
                 inputs[trace.layer] = prev
     sources = {layer: t.first for layer, t in inputs.items()}
-    predictors, trained, pred_b = {}, {}, {}
+    predictors, trained, pred_b, held_out, blend = {}, {}, {}, {}, {}
     dense_b = {trace.layer: mlp_bytes(trace) for trace in traces}
     quality: dict[int, dict] = {trace.layer: {} for trace in traces}
     learned = traces if "predictor" in selectors else []
@@ -483,7 +546,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     for trace in tqdm(learned, desc="train", disable=not progress, leave=False):
         pred, q = train_predictor(dataclasses.replace(trace, x=inputs[trace.layer].x), rank, epochs,
                                   buckets=buckets)
-        trained[trace.layer] = pred
+        trained[trace.layer], held_out[trace.layer] = pred, q
         recalls = recall_by_density(pred, q)
         predictors.update(pred.tensors(f"layers.{trace.layer}.mlp."))
         esize = trace.first.weight.element_size()
@@ -536,7 +599,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 mlp = BlockProfile(selector="predictor", density=d, units=ident.intermediate_size,
                                    rank=rank, activation="relu",
                                    input="previous" if ahead else "same", buckets=buckets,
-                                   recall=quality[layer]["recall_by_density"].get(d),
+                                   recall=recall_of(layer, d),
                                    precision=quality[layer]["precision"])
             layers.append(LayerProfile(index=layer, mlp=mlp))
         used = {k: v for k, v in predictors.items()
@@ -546,8 +609,13 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                        predictor_file=f"{path.stem}.safetensors" if used else None)
         return save_profile(prof, path, used or None)
 
-    chosen = allocate_options(options, target_density)
-    adaptive = build(chosen, out)
+    def recall_of(layer: int, d: float) -> float | None:
+        """Held-out recall at density ``d`` (measured now if ``d`` is off the steps)."""
+        if d in quality[layer]["recall_by_density"]:
+            return quality[layer]["recall_by_density"][d]
+        return recall_by_density(trained[layer], held_out[layer], (d,))[d]
+
+    chosen = greedy_options = allocate_options(options, target_density)
     # the uniform twin spreads the same budget evenly, with the selector most layers chose
     kinds = [o.selector for o in chosen.values() if o.selector != "dense"]
     kind = max(set(kinds), key=kinds.count) if kinds else selectors[0]
@@ -559,8 +627,20 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
         spread = {t.layer: 1.0 if t.layer == 0 else round(d, 4) for t in traces}
     else:
         spread = uniform(errors, dense_b, pred_b, target_density)
+    if set(kinds) == {"predictor"}:
+        hooks = predictor_hooks(trained, sources, buckets)
+        greedy = {layer: o.density for layer, o in chosen.items()}
+        dens, blend = blend_allocation(
+            greedy, spread, dense_b, pred_b, target_density,
+            lambda dens: joint_loss(model, learned, sample, dens, hooks))
+        log.info("allocation: joint loss %s (weight of the greedy allocation: loss)",
+                 {w: round(v, 4) for w, v in blend.items()})
+        chosen = {layer: Option("predictor" if d < 1.0 else "dense", d, 0.0, 0.0)
+                  for layer, d in dens.items()}
+    adaptive = build(chosen, out)
     flat = build({layer: Option(kind if d < 1.0 else "dense", d, 0.0, 0.0)
                   for layer, d in spread.items()},
                  out.with_name(f"{out.stem}-uniform{out.suffix}"))
-    return Calibration(adaptive, flat, predictors, quality)
+    return Calibration(adaptive, flat, predictors, quality, blend,
+                       {layer: o.density for layer, o in greedy_options.items()})
 

@@ -72,6 +72,10 @@ def _calibrate(args) -> int:
         if "recall" in q:
             line += f"  (predictor recall at density {calibrate.TRAIN_DENSITY}: {q['recall']:.3f})"
         print(line)
+    if cal.blend:
+        tried = ", ".join(f"{w:g}: {loss:.4f}" for w, loss in cal.blend.items())
+        print(f"joint loss by weight of the greedy allocation against uniform ({tried}); "
+              f"kept {min(cal.blend, key=cal.blend.get):g}")
     print(f"wrote {cal.profile.path} and {cal.uniform_profile.path}")
     return 0
 

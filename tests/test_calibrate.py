@@ -72,6 +72,39 @@ def test_bucketed_recall_counts_the_global_top_k():
     assert cal.recall_at(true, true, 4, buckets=2) == 0.5
 
 
+def test_blend_keeps_the_lowest_joint_loss_within_budget():
+    dense = {0: 100, 1: 100, 2: 100}
+    pred = {0: 0, 1: 10, 2: 10}
+    greedy, flat = {0: 1.0, 1: 0.4, 2: 0.8}, {0: 1.0, 1: 0.6, 2: 0.6}
+    seen = []
+
+    def loss(dens):  # lowest half way between the two
+        seen.append(dens)
+        return abs(dens[1] - 0.5)
+
+    dens, tried = cal.blend_allocation(greedy, flat, dense, pred, 0.8, loss)
+    assert dens == {0: 1.0, 1: 0.5, 2: 0.7} and min(tried, key=tried.get) == 0.5
+    assert set(tried) == set(cal.BLEND_STEPS)
+    # a budget below every blend leaves the greedy allocation, untried
+    dens, tried = cal.blend_allocation(greedy, flat, dense, pred, 0.5, loss)
+    assert dens == greedy and tried == {}
+
+
+def test_calibration_keeps_the_best_blend(tiny, tmp_path):
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    result = cal.calibrate(model, ids, "tiny-llama", tmp_path / "b.yaml", target_density=0.9,
+                           rank=8, epochs=2, progress=False)
+    assert result.blend and set(result.blend) <= set(cal.BLEND_STEPS)
+    w = min(result.blend, key=result.blend.get)
+    for layer in result.profile.layers:  # the written densities are the kept blend
+        flat = result.uniform_profile.layer(layer.index).mlp.density
+        want = round(w * result.greedy[layer.index] + (1 - w) * flat, 4)
+        assert layer.mlp.density == pytest.approx(want)
+        if layer.mlp.selector == "predictor":  # recall measured at the blended density
+            assert layer.mlp.recall is not None
+
+
 def test_predictor_recovers_a_planted_pattern():
     gen = torch.Generator().manual_seed(0)
     d, n, tokens = 32, 64, 4096
