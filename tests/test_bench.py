@@ -1,0 +1,79 @@
+"""The parts of `dejavu bench` that need no GPU: its random profiles, the analysis of a KV sweep,
+the profiler breakdown and the markdown it writes into BENCHMARKS.md."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+from dejavu_compile import bench, load_profile
+from dejavu_compile.profile import BUCKET_UNITS, default_buckets
+
+
+@pytest.mark.parametrize("bucket_units", [BUCKET_UNITS, 32, 0])
+def test_random_profile_takes_the_bucket_size(tiny, tmp_path, bucket_units):
+    model = tiny("llama")
+    bench.random_profile(model, 0.5, 0.5, 8, tmp_path / "r.yaml", bucket_units=bucket_units)
+    prof = load_profile(tmp_path / "r.yaml")
+    assert prof.layer(0).mlp.selector == "dense"  # layer 0 stays dense
+    mlp, att = prof.layer(1).mlp, prof.layer(1).attention
+    assert mlp.selector == att.selector == "predictor"
+    assert mlp.buckets == default_buckets(96, bucket_units)  # the tiny model's 96 neurons
+    assert (mlp.buckets > 1) == (bucket_units == 32)
+    assert att.buckets == 1  # four heads: one bucket
+
+
+def test_analyse_kv_finds_costs_and_crossings():
+    bw = 1e12  # 1 GB per ms
+    weights = {"dense": 10e9, "projection": 6e9}
+    kv, keep = 1e6, 0.5
+    rows = []
+    for n in (1000, 5000, 9000):
+        for mode, w, cost, k in (("dense", 10e9, 1.0, 1.0), ("projection", 6e9, 3.0, 1.0),
+                                 ("kv", 10e9, 1.0, keep), ("both", 6e9, 6.0, keep)):
+            nbytes = w + k * kv * n
+            rows.append({"mode": mode, "context": n, "bytes": nbytes, "ms": nbytes / 1e9 + cost})
+    sweep = {"rows": rows, "kv_bytes_per_token": kv, "kv_keep": keep, "weights": weights}
+    out = bench.analyse_kv(sweep, bw)
+    assert out["costs_ms"]["projection"] == pytest.approx(3.0)
+    assert out["byte_crossover"] == pytest.approx(8000)  # 4 GB saved / (0.5 * 1 MB)
+    # projection - kv = (-4 + 0.5 n / 1000) + 2 ms: zero at n = 4000
+    assert out["predicted_crossing"] == pytest.approx(4000)
+    assert out["measured_crossing"] == pytest.approx(4000)
+    assert out["fastest"] == {1000: "projection", 5000: "kv", 9000: "kv"}
+
+
+def test_kernel_breakdown_sums_per_step():
+    def event(key, us, count, device=DeviceType.CUDA):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, count=count)
+
+    prof = SimpleNamespace(key_averages=lambda: [
+        event("small", 8.0, 8), event("big", 80.0, 16), event("host", 500.0, 8, DeviceType.CPU)])
+    rows = bench._kernel_breakdown(prof, steps=8)
+    assert [r["kernel"] for r in rows] == ["big", "small", "(all kernels)"]
+    assert rows[0]["us_per_step"] == 10.0 and rows[0]["calls_per_step"] == 2
+    assert rows[-1]["us_per_step"] == 11.0 and rows[-1]["calls_per_step"] == 3
+
+
+def test_markdown_has_every_section():
+    point = {"mlp": 0.1, "attention": 0.5}
+    result = {
+        "gpu": "G", "copy_gbs": 4000.0,
+        "kernels": [{"model": "m", "block": "mlp", "density": 0.1, "k": 2, "sparse_ms": 0.01,
+                     "sparse_p20": 0.009, "sparse_p80": 0.011, "sparse_gbs": 1000.0,
+                     "pct_copy": 25.0, "dense_ms": 0.1, "naive_ms": 0.02}],
+        "e2e": [{"model": "m", "mode": mode, "ms_per_token": 5.0, "p20": 4.9, "p80": 5.1,
+                 "bytes_per_token": 1e9, "floor_ms": 0.25, "peak_gib": 1.0,
+                 "operating_point": point,
+                 **({"breakdown": [{"kernel": "k|1", "us_per_step": 3.0, "calls_per_step": 2}]}
+                    if mode == "dejavu_topk" else {})}
+                for mode in ("hf_compiled", "dejavu_topk")],
+    }
+    text = bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
+    assert "commit `abc1234`" in text and "| m | mlp | 0.1 | 2 | 10.0 us" in text
+    assert "| m | hf_compiled |  | 5.00" in text  # dense modes name no operating point
+    assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
+    assert "GPU kernel time per decode step, m dejavu_topk" in text
+    assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
