@@ -19,6 +19,7 @@ the post-RoPE queries and keys, so no model class is patched.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -124,30 +125,48 @@ def select(cache, policy: str, keep: float, scores: dict | None = None) -> Selec
 
 
 @torch.no_grad()
+def generate_policies(model, ids: torch.Tensor, max_new_tokens: int, policies=POLICIES,
+                      keep: float = DEFAULT_KEEP, decode=None
+                      ) -> dict[str, tuple[torch.Tensor, Selection]]:
+    """Greedy decoding of ``ids`` [1, T] under each KV policy, from one dense prefill: each
+    policy selects from its own copy of the prefilled cache. ``decode`` runs the decode steps
+    (default: ``model``; pass the dejavu-compiled model to compose with projection sparsity).
+    The prefill runs the model's eager forward (recording attention scores when a policy is
+    ``scored``). Returns per policy the new tokens [1, max_new_tokens] and the selection."""
+    from transformers import DynamicCache
+
+    for policy in policies:
+        if policy not in POLICIES:
+            raise ValueError(f"KV policy must be one of {POLICIES}, got {policy!r}")
+    prefilled = DynamicCache(config=model.config)
+    scoring = _scoring(model) if "scored" in policies else contextlib.nullcontext()
+    with scoring as scores:
+        out = model.forward(input_ids=ids, past_key_values=prefilled, use_cache=True)
+    first = out.logits[:, -1:].argmax(-1)
+    decode = decode if decode is not None else model
+    t, results = ids.shape[1], {}
+    for n, policy in enumerate(policies):
+        cache = prefilled if n == len(policies) - 1 else copy.deepcopy(prefilled)
+        sel = select(cache, policy, keep, scores)
+        tok, new = first, []
+        for i in range(max_new_tokens):
+            new.append(tok)
+            if i == max_new_tokens - 1:
+                break
+            length = cache.get_seq_length()
+            out = decode(input_ids=tok, past_key_values=cache, use_cache=True,
+                         position_ids=torch.tensor([[t + i]], device=ids.device),
+                         cache_position=torch.tensor([length], device=ids.device),
+                         attention_mask=torch.ones(1, length + 1, dtype=torch.long,
+                                                   device=ids.device))
+            tok = out.logits[:, -1:].argmax(-1)
+        results[policy] = (torch.cat(new, dim=1), sel)
+    return results
+
+
 def generate(model, ids: torch.Tensor, max_new_tokens: int, policy: str = "scored",
              keep: float = DEFAULT_KEEP, decode=None) -> tuple[torch.Tensor, Selection]:
     """Greedy decoding of ``ids`` [1, T] with a dense prefill, then the KV cache kept by
-    ``policy`` at ``keep``. ``decode`` runs the decode steps (default: ``model``; pass the
-    dejavu-compiled model to compose with projection sparsity). The prefill runs the model's
-    eager forward. Returns the new tokens [1, max_new_tokens] and the selection."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    scoring = _scoring(model) if policy == "scored" else contextlib.nullcontext()
-    with scoring as scores:
-        out = model.forward(input_ids=ids, past_key_values=cache, use_cache=True)
-    sel = select(cache, policy, keep, scores)
-    decode = decode if decode is not None else model
-    t, tok, new = ids.shape[1], out.logits[:, -1:].argmax(-1), []
-    for i in range(max_new_tokens):
-        new.append(tok)
-        if i == max_new_tokens - 1:
-            break
-        length = cache.get_seq_length()
-        out = decode(input_ids=tok, past_key_values=cache, use_cache=True,
-                     position_ids=torch.tensor([[t + i]], device=ids.device),
-                     cache_position=torch.tensor([length], device=ids.device),
-                     attention_mask=torch.ones(1, length + 1, dtype=torch.long,
-                                               device=ids.device))
-        tok = out.logits[:, -1:].argmax(-1)
-    return torch.cat(new, dim=1), sel
+    ``policy`` at ``keep`` (see ``generate_policies``). Returns the new tokens
+    [1, max_new_tokens] and the selection."""
+    return generate_policies(model, ids, max_new_tokens, (policy,), keep, decode)[policy]

@@ -81,8 +81,7 @@ def answer_of(loaded, new_tokens: torch.Tensor) -> str:
 def run(loaded, contexts: list[int], keep: float, policies=("dense", "scored", "window"),
         tasks=TASKS, depths=DEPTHS, decode=None, progress: bool = False) -> list[dict]:
     """One row per (task, context, depth, policy): the answer and whether it is right. The
-    prefill is shared by the policies of a trial only in cost, not in state: each policy runs
-    its own prefill (the selection edits the cache)."""
+    policies of a trial share one prefill; each selects from its own copy of the cache."""
     from tqdm import tqdm
 
     from . import kv
@@ -92,8 +91,9 @@ def run(loaded, contexts: list[int], keep: float, policies=("dense", "scored", "
     for task, n, depth in tqdm(trials, desc="retrieval", disable=not progress, leave=False):
         trial = (passkey if task == "passkey" else multikey)(loaded, n, depth,
                                                             seed=int(depth * 100) + n)
-        for policy in policies:
-            new, sel = kv.generate(loaded.model, trial.ids, NEW_TOKENS, policy, keep, decode)
+        decoded = kv.generate_policies(loaded.model, trial.ids, NEW_TOKENS, policies, keep,
+                                       decode)
+        for policy, (new, sel) in decoded.items():
             got = answer_of(loaded, new)
             rows.append({"task": task, "context": n, "prompt_tokens": trial.ids.shape[1],
                          "depth": depth,

@@ -95,6 +95,20 @@ def test_policies_gather_the_budget(tiny):
     assert model.config._attn_implementation == "sdpa"  # restored after scoring
 
 
+def test_policies_share_one_prefill_and_decode_as_alone(tiny):
+    """Every policy decodes from its own copy of one prefill: the same tokens as alone."""
+    model = tiny("llama")
+    ids = _ids(150)
+    together = kv.generate_policies(model, ids, 5, kv.POLICIES, keep=0.5)
+    assert list(together) == list(kv.POLICIES)
+    for policy in kv.POLICIES:
+        alone, sel = kv.generate(model, ids, 5, policy, keep=0.5)
+        assert torch.equal(together[policy][0], alone)
+        assert together[policy][1].kept_tokens == sel.kept_tokens
+    with pytest.raises(ValueError, match="KV policy must be one of"):
+        kv.generate_policies(model, ids, 2, ("dense", "random"))
+
+
 def test_kv_selection_composes_with_projection_sparsity(tiny):
     model = tiny("llama")
     ids = _ids(150)
