@@ -20,9 +20,9 @@ import argparse
 from pathlib import Path
 
 import torch
+from dejavu_compile.kernels.reference import activate
 
 from dejavu_compile import calibrate as cal
-from dejavu_compile.kernels.reference import activate
 from dejavu_compile.models import documentation_text, load_model
 
 
