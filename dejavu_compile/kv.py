@@ -7,6 +7,10 @@ Policies:
   attention (``dejavu::kv_scores``), pooled over the query heads of each KV head, smoothed with
   a width-7 average; the first ``sinks`` tokens and the observation window are always kept; then
   the top positions per KV head within the budget (``dejavu::kv_select``).
+- ``shared``: ``scored`` with one selection per layer: the scores of the layer's KV heads are
+  summed and every KV head keeps the same positions. On SmolLM2-135M's passkey trials the
+  per-head selection kept some of the key's digits in one head and others in another, and the
+  answer lost digits; the shared one kept them together (README, retrieval).
 - ``window``: the ``sinks`` first tokens and the most recent ones, the same budget (the plain
   recent-token window the paper compares against).
 - ``dense``: the whole cache.
@@ -24,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-POLICIES = ("dense", "scored", "window")
+POLICIES = ("dense", "scored", "shared", "window")
+SCORED = ("scored", "shared")  # the policies that need the prefill's attention scores
 DEFAULT_KEEP = 0.3
 SINKS, WINDOW, SMOOTH = 4, 64, 7
 ATTENTION_NAME = "dejavu_kv_scored"
@@ -109,10 +114,12 @@ def select(cache, policy: str, keep: float, scores: dict | None = None) -> Selec
             continue
         keys, values = layer.keys, layer.values
         batch, kvh, _, hd = keys.shape
-        if policy == "scored":
+        if policy in SCORED:
             if scores is None or i not in scores:
-                raise ValueError(f"scored KV selection has no scores for layer {i}")
-            idx = torch.ops.dejavu.kv_select(scores[i], b, SINKS, WINDOW, SMOOTH)
+                raise ValueError(f"{policy} KV selection has no scores for layer {i}")
+            layer_scores = scores[i].sum(1, keepdim=True) if policy == "shared" else scores[i]
+            idx = torch.ops.dejavu.kv_select(layer_scores, b, SINKS, WINDOW, SMOOTH)
+            idx = idx.expand(batch, kvh, idx.shape[-1])
         else:
             recent = torch.arange(t - (b - SINKS), t, device=keys.device)
             idx = torch.cat([torch.arange(SINKS, device=keys.device), recent])
@@ -131,15 +138,15 @@ def generate_policies(model, ids: torch.Tensor, max_new_tokens: int, policies=PO
     """Greedy decoding of ``ids`` [1, T] under each KV policy, from one dense prefill: each
     policy selects from its own copy of the prefilled cache. ``decode`` runs the decode steps
     (default: ``model``; pass the dejavu-compiled model to compose with projection sparsity).
-    The prefill runs the model's eager forward (recording attention scores when a policy is
-    ``scored``). Returns per policy the new tokens [1, max_new_tokens] and the selection."""
+    The prefill runs the model's eager forward (recording attention scores when a policy
+    needs them). Returns per policy the new tokens [1, max_new_tokens] and the selection."""
     from transformers import DynamicCache
 
     for policy in policies:
         if policy not in POLICIES:
             raise ValueError(f"KV policy must be one of {POLICIES}, got {policy!r}")
     prefilled = DynamicCache(config=model.config)
-    scoring = _scoring(model) if "scored" in policies else contextlib.nullcontext()
+    scoring = _scoring(model) if set(SCORED) & set(policies) else contextlib.nullcontext()
     with scoring as scores:
         out = model.forward(input_ids=ids, past_key_values=prefilled, use_cache=True)
     first = out.logits[:, -1:].argmax(-1)

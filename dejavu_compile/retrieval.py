@@ -78,7 +78,8 @@ def answer_of(loaded, new_tokens: torch.Tensor) -> str:
     return match.group(0) if match else ""
 
 
-def run(loaded, contexts: list[int], keep: float, policies=("dense", "scored", "window"),
+def run(loaded, contexts: list[int], keep: float,
+        policies=("dense", "scored", "shared", "window"),
         tasks=TASKS, depths=DEPTHS, decode=None, progress: bool = False) -> list[dict]:
     """One row per (task, context, depth, policy): the answer and whether it is right. The
     policies of a trial share one prefill; each selects from its own copy of the cache."""

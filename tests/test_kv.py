@@ -76,9 +76,9 @@ def test_policies_gather_the_budget(tiny):
 
     model = tiny("llama")
     ids = _ids(200)
-    for policy in ("scored", "window"):
+    for policy in ("scored", "shared", "window"):
         cache = DynamicCache(config=model.config)
-        ctx = kv._scoring(model) if policy == "scored" else kv.contextlib.nullcontext()
+        ctx = kv._scoring(model) if policy in kv.SCORED else kv.contextlib.nullcontext()
         with torch.no_grad(), ctx as scores:
             model.forward(input_ids=ids, past_key_values=cache, use_cache=True)
         full = [layer.keys.clone() for layer in cache.layers]
@@ -92,6 +92,12 @@ def test_policies_gather_the_budget(tiny):
             torch.testing.assert_close(layer.keys[0, 1], full[i][0, 1, idx[0, 1]])
         if policy == "window":
             assert sel.kept[0][0, 0].tolist() == [0, 1, 2, 3, *range(104, 200)]
+        if policy == "shared":  # one selection per layer, from the scores summed over KV heads
+            for i, idx in sel.kept.items():
+                assert torch.equal(idx[0, 0], idx[0, 1])
+                want = torch.ops.dejavu.kv_select(scores[i].sum(1, keepdim=True), 100, kv.SINKS,
+                                                  kv.WINDOW, kv.SMOOTH)
+                assert torch.equal(idx[0, 0], want[0, 0])
     assert model.config._attn_implementation == "sdpa"  # restored after scoring
 
 
