@@ -218,9 +218,12 @@ def _weights(lin) -> int:
     return _nbytes(lin.weight)
 
 
-def _predictor_bytes(ctx, layer: int, kind: str) -> int:
-    prefix = f"layers.{layer}.{kind}."
-    return sum(_nbytes(t) for name, t in ctx.predictors.items() if name.startswith(prefix))
+def _predictor_bytes(ctx, block, kind: str) -> int:
+    """Bytes a block's predictor reads per token: its tensors in the dtype the sparsify pass
+    casts them to (the block's weights'), not the dtype the profile stores them in."""
+    prefix = f"layers.{block.layer}.{kind}."
+    esize = block.linears()[0].weight.element_size()
+    return sum(t.numel() * esize for name, t in ctx.predictors.items() if name.startswith(prefix))
 
 
 def _mlp_row(ctx, block, plan) -> BlockRow:
@@ -232,7 +235,7 @@ def _mlp_row(ctx, block, plan) -> BlockRow:
     if plan.selector == "oracle":
         selector = block.first.nbytes() + (_weights(block.up) if block.up is not None else 0)
     elif plan.selector == "predictor":
-        selector = _predictor_bytes(ctx, block.layer, "mlp")
+        selector = _predictor_bytes(ctx, block, "mlp")
     elif plan.selector == "fixed":
         selector = 0
     elif plan.selector == "threshold":
@@ -266,7 +269,7 @@ def _attention_row(ctx, block, plan) -> BlockRow:
         selector = _weights(block.o)
     elif plan.selector in ("predictor", "fixed"):
         sparse = round(frac * block.q.nbytes()) + kv + o_part
-        selector = (_predictor_bytes(ctx, block.layer, "attention")
+        selector = (_predictor_bytes(ctx, block, "attention")
                     if plan.selector == "predictor" else 0)
     else:
         sparse, selector = dense, 0

@@ -131,6 +131,21 @@ def test_predictor_profile_matches_reference(tiny, arch, buckets, tmp_path):
     assert rep.bytes_sparse < rep.bytes_dense
 
 
+def test_report_counts_predictors_in_the_models_dtype(tiny, tmp_path):
+    """Predictors stored in fp16 run cast to the model's dtype: an fp32 model reads 4 bytes per
+    predictor parameter, and the report says so."""
+    model = tiny("llama")
+    path, tensors = _random_predictor_profile(model, tmp_path)
+    prof = load_profile(path)
+    save_profile(prof, path, {n: t.half() for n, t in tensors.items()})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend="dejavu", options={"profile": str(path)}),
+                       prompt())
+    row = dejavu_compile.report(model).layers[1].mlp
+    numel = sum(t.numel() for n, t in tensors.items() if n.startswith("layers.1.mlp."))
+    assert row.selector_bytes == numel * 4
+
+
 def test_profile_round_trips(tiny, tmp_path):
     model = tiny("llama")
     path, _ = _random_predictor_profile(model, tmp_path)
