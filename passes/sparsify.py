@@ -153,9 +153,7 @@ def make_plan(ctx: PassContext) -> dict[tuple[int, str], BlockPlan]:
                 selector=selector,
                 density=spec.density,
                 units=units,
-                k=(units if selector == "dense" else
-                   kept_units(spec.density, units, buckets) if selector == "predictor" else
-                   units_for(spec.density, units)),
+                k=units if selector == "dense" else kept_units(spec.density, units, buckets),
                 buckets=buckets,
                 group=group if kind == "attention" else 1,
                 activation=spec.activation,
