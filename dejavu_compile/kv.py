@@ -8,9 +8,11 @@ Policies:
   a width-7 average; the first ``sinks`` tokens and the observation window are always kept; then
   the top positions per KV head within the budget (``dejavu::kv_select``).
 - ``shared``: ``scored`` with one selection per layer: the scores of the layer's KV heads are
-  summed and every KV head keeps the same positions. On SmolLM2-135M's passkey trials the
-  per-head selection kept some of the key's digits in one head and others in another, and the
-  answer lost digits; the shared one kept them together (README, retrieval).
+  summed, smoothed over 15 positions, and every KV head keeps the same positions. On
+  SmolLM2-135M's passkey trials the per-head selection kept some of the key's digits in one
+  head and others in another, and the answer lost digits; the shared one keeps them together,
+  and the wider smoothing keeps the whole key where width 7 kept its first digits at 4K and 8K
+  (README, retrieval).
 - ``window``: the ``sinks`` first tokens and the most recent ones, the same budget (the plain
   recent-token window the paper compares against).
 - ``dense``: the whole cache.
@@ -32,6 +34,7 @@ POLICIES = ("dense", "scored", "shared", "window")
 SCORED = ("scored", "shared")  # the policies that need the prefill's attention scores
 DEFAULT_KEEP = 0.3
 SINKS, WINDOW, SMOOTH = 4, 64, 7
+SHARED_SMOOTH = 15  # the ``shared`` policy's smoothing width
 ATTENTION_NAME = "dejavu_kv_scored"
 
 _COLLECTOR: dict | None = None  # layer -> scores [B, KVH, T], filled during a scored prefill
@@ -117,8 +120,11 @@ def select(cache, policy: str, keep: float, scores: dict | None = None) -> Selec
         if policy in SCORED:
             if scores is None or i not in scores:
                 raise ValueError(f"{policy} KV selection has no scores for layer {i}")
-            layer_scores = scores[i].sum(1, keepdim=True) if policy == "shared" else scores[i]
-            idx = torch.ops.dejavu.kv_select(layer_scores, b, SINKS, WINDOW, SMOOTH)
+            if policy == "shared":
+                idx = torch.ops.dejavu.kv_select(scores[i].sum(1, keepdim=True), b, SINKS,
+                                                 WINDOW, SHARED_SMOOTH)
+            else:
+                idx = torch.ops.dejavu.kv_select(scores[i], b, SINKS, WINDOW, SMOOTH)
             idx = idx.expand(batch, kvh, idx.shape[-1])
         else:
             recent = torch.arange(t - (b - SINKS), t, device=keys.device)

@@ -96,7 +96,7 @@ def test_policies_gather_the_budget(tiny):
             for i, idx in sel.kept.items():
                 assert torch.equal(idx[0, 0], idx[0, 1])
                 want = torch.ops.dejavu.kv_select(scores[i].sum(1, keepdim=True), 100, kv.SINKS,
-                                                  kv.WINDOW, kv.SMOOTH)
+                                                  kv.WINDOW, kv.SHARED_SMOOTH)
                 assert torch.equal(idx[0, 0], want[0, 0])
     assert model.config._attn_implementation == "sdpa"  # restored after scoring
 
