@@ -393,7 +393,7 @@ def gate_recall(trace: MLPTrace, tokens: int = 2048) -> dict[float, float]:
     first = trace.first
     bias = first.bias.float() if first.bias is not None else None
     g = activate(F.linear(x, first.weight.float(), bias), trace.act).abs()
-    return {d: recall_at(g, h, max(1, round(d * h.shape[1]))) for d in DENSITY_STEPS}
+    return {d: recall_at(g, h, kept_units(d, h.shape[1])) for d in DENSITY_STEPS}
 
 
 def module_bytes(*mods: torch.nn.Module | None) -> int:

@@ -98,7 +98,7 @@ def bucketed(units: int, buckets: int) -> bool:
 
 def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int
                             ) -> torch.Tensor:
-    """The two-launch selector (module doc); ids [..., k * group], unsorted."""
+    """The two-launch selector (module doc); ids [..., k * group], ascending."""
     check_dtype("select_predictor", x, w1, w2)
     d, rank, units = x.shape[-1], w1.shape[0], w2.shape[0]
     if k % buckets:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import activate, expand_groups
+from .reference import activate, bucket_topk, expand_groups
 
 try:
     from .bucket_select import bucketed, select_predictor_triton
@@ -40,7 +40,7 @@ except ImportError:  # no Triton: the PyTorch path below
 
 def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1
                      ) -> torch.Tensor:
-    """x: [..., d]; w1: [r, d]; w2: [U, r]; returns unit ids [..., k * group] (unsorted)."""
+    """x: [..., d]; w1: [r, d]; w2: [U, r]; returns unit ids [..., k * group], ascending."""
     if (x.is_cuda or INTERPRET) and bucketed(w2.shape[0], buckets):
         return select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
     z = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w1, b1)
@@ -49,14 +49,5 @@ def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: i
     elif act != "none":
         z = activate(z, act)
     logits = torch.nn.functional.linear(z, w2, b2)
-    if buckets > 1:
-        rows, size = logits.shape[0], w2.shape[0] // buckets
-        local = torch.topk(logits.view(rows, buckets, size), k // buckets, dim=-1,
-                           sorted=False).indices
-        top = (local + torch.arange(0, w2.shape[0], size, device=x.device)[:, None]).flatten(1)
-    else:
-        top = torch.topk(logits, k, dim=-1, sorted=False).indices
-    # sorted ids: the down projection read unsorted ones at about a third of the speed
-    # (BENCHMARKS.md, bucketed selector runs)
-    units = expand_groups(top.sort(dim=-1).values, group)
+    units = expand_groups(bucket_topk(logits, k, buckets), group)
     return units.reshape(*x.shape[:-1], k * group)

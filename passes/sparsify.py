@@ -54,11 +54,6 @@ class BlockPlan:
         return self.k / self.units if self.selector != "dense" and self.units else 1.0
 
 
-def units_for(k: float, n: int) -> int:
-    """Units kept for density ``k`` of ``n``: at least one, static for the compiled graph."""
-    return kept_units(k, n)
-
-
 def _identity_errors(ctx: PassContext) -> None:
     """Refuse a profile calibrated on another model, naming the first layer that differs."""
     ident = ctx.profile.model
@@ -275,7 +270,7 @@ def _rewrite_mlp_threshold(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
     nodes of the graph stay as they are, fed by the sparse projections."""
     graph = gm.graph
     hidden = block.down.input
-    k_in = units_for(plan.density, block.hidden_size)
+    k_in = kept_units(plan.density, block.hidden_size)
     with graph.inserting_before(block.first.node):
         ix = _call(graph, fake_mode, OPS.select_magnitude.default, block.input, k_in)
         _tag(block.layer, plan, ix)
