@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dejavu_compile.passes import PIPELINE, PassContext
+from dejavu_compile.passes import PIPELINE, PassContext, lower
 from dejavu_compile.profile import Profile, load_predictors, load_profile
 
 from .config import DejavuOptions
@@ -90,7 +90,29 @@ def dejavu_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
         report = build_graph_report(ctx, index=len(_REPORTS))
         _REPORTS.append(report)
     log.info("%s", CompileReport([report]))
-    return _inner_compile(gm, example_inputs, opts)
+    compiled = _inner_compile(gm, example_inputs, opts)
+    if ctx.counters.values.get("relayout_pending"):
+        return _release_after(compiled)
+    return compiled
+
+
+def _release_after(compiled):
+    """``compiled``, followed on each call by the in-place re-layout of the weights the lower
+    pass asked for (``passes.lower.release_pending``): Dynamo guards on the weights' strides, so
+    the swap waits until the graph that read them strided has run; the next call recompiles."""
+
+    def release():
+        if lower.pending():
+            released = lower.release_pending()
+            log.info("dejavu: re-laid out %d weights in place; Dynamo recompiles for their "
+                     "new strides on the next call", released)
+
+    def run(*args):
+        out = compiled(*args)
+        release()
+        return out
+
+    return run
 
 
 def report(model: torch.nn.Module) -> CompileReport:

@@ -10,9 +10,11 @@ from typing import Any
 SELECTORS = ("oracle", "predictor", "fixed", "gate", "threshold")
 GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
+RELAYOUTS = ("in_place", "copy")
 
 DEFAULT_INNER = "inductor"
 DEFAULT_GRANULARITY = "head"
+DEFAULT_RELAYOUT = "in_place"
 
 
 def _check_density(name: str, value: float | None) -> None:
@@ -52,6 +54,13 @@ class DejavuOptions:
         (``input: previous`` is the lookahead of paper section 4.3: layer l's predictor reads
         layer l-1's input and runs while layer l-1 computes, on a CUDA side stream); ``True``
         or ``False`` also require every predictor of the profile to be trained that way.
+    relayout: how the down and output projections that sparse ops read get their ``[in, out]``
+        row-per-unit layout: ``"in_place"`` re-lays out the parameters themselves (no second
+        copy; the parameters become transposed views, Dynamo recompiles once after the first
+        call) or ``"copy"`` (a copy beside each original: more memory, parameters untouched).
+    fuse_linears: dense projections that read the same input (K and V, Q, K and V, gate and
+        up) run as one linear on their stacked weights; the parameters become row slices of
+        the stacked matrix (no copy kept).
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -67,6 +76,8 @@ class DejavuOptions:
     inner: str = DEFAULT_INNER
     cudagraphs: bool = False
     lookahead: bool | None = None
+    relayout: str = DEFAULT_RELAYOUT
+    fuse_linears: bool = True
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -81,6 +92,8 @@ class DejavuOptions:
                 f"option 'attention_granularity' must be one of {GRANULARITIES}, "
                 f"got {self.attention_granularity!r}"
             )
+        if self.relayout not in RELAYOUTS:
+            raise ValueError(f"option 'relayout' must be one of {RELAYOUTS}, got {self.relayout!r}")
         if self.inner not in INNER_COMPILERS:
             raise ValueError(f"option 'inner' must be one of {INNER_COMPILERS}, got {self.inner!r}")
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))

@@ -53,7 +53,7 @@ def _head_proj_kernel(
 def _head_out_kernel(
     a_ptr, idx_ptr, w_ptr, out_ptr,
     DOUT, J, HEAD_DIM,
-    stride_a, stride_idx, stride_w, stride_out,
+    stride_a, stride_idx, stride_wn, stride_wo, stride_out,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
 ):
     pid, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -65,7 +65,7 @@ def _head_out_kernel(
         mask = offs < J
         wrows = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
         vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_o[None, :],
+        w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
                     mask=mask[:, None] & mask_o[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * vals[:, None], 0)
     tl.atomic_add(out_ptr + row * stride_out + offs_o, acc, mask=mask_o)
@@ -101,6 +101,6 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
                                 triton.cdiv(d_out, m["BLOCK_D"]), rows.shape[0])](
         rows, sel, wo_t, out,
         d_out, j, head_dim,
-        rows.stride(0), sel.stride(0), wo_t.stride(0), out.stride(0),
+        rows.stride(0), sel.stride(0), wo_t.stride(0), wo_t.stride(1), out.stride(0),
     )
     return finish(out, b, attn.dtype).reshape(*attn.shape[:-1], d_out)

@@ -61,8 +61,8 @@ def _down_kernel(
     pre_ptr, up_ptr, idx_ptr, b1_ptr, w2t_ptr, out_ptr,
     # sizes
     DOUT, K,
-    # strides
-    stride_pre, stride_idx, stride_w2t, stride_out,
+    # strides (``W2_t`` may be any view: a row per neuron is fastest, see the lower pass)
+    stride_pre, stride_idx, stride_w2n, stride_w2o, stride_out,
     # meta-parameters
     ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
@@ -82,7 +82,7 @@ def _down_kernel(
         if GATED:
             h = h * tl.load(up_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
         h = tl.where(mask_n, h, 0.0)
-        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2t + offs_o[None, :],
+        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
                      mask=mask_n[:, None] & mask_o[None, :], other=0.0)
         acc += tl.sum(w2.to(tl.float32) * h[:, None], 0)
     tl.atomic_add(out_ptr + row * stride_out + offs_o, acc, mask=mask_o)
@@ -96,8 +96,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
     d, d_out, k = x.shape[-1], w2_t.shape[1], idx.shape[-1]
-    if w1.stride(1) != 1 or w2_t.stride(1) != 1 or (w_up is not None and w_up.stride(1) != 1):
-        raise ValueError("sparse_mlp kernel needs row-contiguous weights (lower pass re-lays out)")
+    if w1.stride(1) != 1 or (w_up is not None and w_up.stride(1) != 1):
+        raise ValueError("sparse_mlp kernel needs row-contiguous w1 and w_up")
     rows = x.reshape(-1, d).contiguous()
     sel = idx.reshape(-1, k).contiguous()
     n_rows = rows.shape[0]
@@ -117,7 +117,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
                             triton.cdiv(d_out, m["BLOCK_D"]), n_rows)](
         pre[0], pre[-1], sel, b1 if b1 is not None else w1, w2_t, out,
         d_out, k,
-        pre.stride(1), sel.stride(0), w2_t.stride(0), out.stride(0),
+        pre.stride(1), sel.stride(0), w2_t.stride(0), w2_t.stride(1), out.stride(0),
         ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=w_up is not None,
     )
     return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)
@@ -133,8 +133,8 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
     """
     check_dtype("sparse_mlp_gated", x, g, w_up, w2_t, b2)
     d, d_out, k = x.shape[-1], w2_t.shape[1], idx.shape[-1]
-    if w_up.stride(1) != 1 or w2_t.stride(1) != 1:
-        raise ValueError("sparse_mlp_gated kernel needs row-contiguous weights")
+    if w_up.stride(1) != 1:
+        raise ValueError("sparse_mlp_gated kernel needs a row-contiguous w_up")
     rows = x.reshape(-1, d).contiguous()
     sel = idx.reshape(-1, k).contiguous()
     n_rows = rows.shape[0]
@@ -152,7 +152,7 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
                             triton.cdiv(d_out, m["BLOCK_D"]), n_rows)](
         pre[0], pre[1], sel, w_up, w2_t, out,
         d_out, k,
-        pre.stride(1), sel.stride(0), w2_t.stride(0), out.stride(0),
+        pre.stride(1), sel.stride(0), w2_t.stride(0), w2_t.stride(1), out.stride(0),
         ACT=ACT_CODES[act], HAS_B1=False, GATED=True,
     )
     return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)

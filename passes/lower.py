@@ -1,11 +1,31 @@
 """Lower: give the sparse ops the weight layout they read fast, once, and check they can run.
 
 The sparsify pass hands down and output projections to the ops as ``aten.t`` views of the
-``[out, in]`` weights; gathering a neuron's column of such a view strides through memory. Here
-each view becomes a constant holding the weight re-laid out as ``[in, out]`` contiguous (paper
-section 4.4), made once per weight tensor and shared by every graph of the model (each decode graph
-and any recompilation), so the extra memory is one copy of each sparsified down / output
-projection, reported as ``relayout_bytes``.
+``[out, in]`` weights; gathering a neuron's column of such a view strides through memory. Each
+such weight is stored as ``[in, out]`` contiguous (paper section 4.4), in one of two ways
+(option ``relayout``):
+
+- ``"in_place"`` (the default): the parameter itself is re-laid out, ``weight.data`` becomes
+  the transposed view of a contiguous ``[in, out]`` copy and the original storage is freed, so
+  no second copy of the matrix is kept; dense code (a prefill) reads the same view, which
+  ``F.linear`` handles without a copy. Dynamo guards on the parameter's strides, so the swap
+  cannot happen inside the compilation that asks for it: that graph reads the strided view
+  (the kernels take any strides) for the one call it serves, the swap runs right after that
+  call (``release_pending``), and Dynamo recompiles once on the next call, which finds the
+  weight already re-laid out (``aten.t`` of it is then contiguous, nothing to do). At most one
+  extra matrix exists at a time during the swap.
+- ``"copy"``: a contiguous copy is kept beside the original (cached per weight and shared by
+  every graph), reported as ``relayout_bytes``: what a model costs when its parameters must not
+  change layout.
+
+Dense projections that read the same input (the K and V projections beside a sparse Q, or Q,
+K and V of a dense attention block, or gate and up of a dense gated MLP) become one linear on
+their stacked weights, split after: one read of the input and one launch instead of two or three
+(option ``fuse_linears``). The stacked matrix is the parameters' own storage: each parameter's
+``data`` becomes its row slice of it, and no copy is kept. A parameter's storage cannot move
+under the graph being compiled, so the stacking waits for the same moment as the in-place
+re-layout and takes effect in the recompiled graph; a graph with no re-layout pending (nothing
+recompiles it) fuses only parameters already stacked.
 
 Which implementation runs is chosen by the op's dispatcher from the tensors' device: the
 reference on CPU, the registered Triton kernels on CUDA.
@@ -13,15 +33,52 @@ reference on CPU, the registered Triton kernels on CUDA.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .context import PassContext, add_constant, fake_mode_of
+from .context import Linear, PassContext, add_constant, fake_mode_of, set_val
 
 # weight -> (its version counter when re-laid out, the [in, out] copy)
 _RELAYOUT = WeakIdKeyDictionary()
+# parameters waiting for their in-place re-layout, and groups of parameters waiting to be
+# stacked into one storage (see ``release_pending``)
+_PENDING = WeakIdKeyDictionary()
+_PENDING_STACKS: list[list[torch.Tensor]] = []
 DEJAVU_NAMESPACE = "dejavu"
+
+
+def relaid_out(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ([out, in]) already has the [in, out] row-contiguous layout."""
+    return weight.dim() == 2 and weight.t().is_contiguous()
+
+
+def release_pending() -> int:
+    """Stack the parameter groups a lower pass asked to fuse (``stack_in_place``), then re-lay
+    out in place every parameter it asked for: ``weight.data`` becomes the transposed view of its
+    contiguous ``[in, out]`` copy. One group or weight at a time, so each original storage is
+    freed before the next copy is made. Returns how many weights were re-laid out.
+
+    Run by the compiled function right after the call of the compilation that asked (Dynamo
+    then recompiles once, for the new strides), or by hand."""
+    done = 0
+    while _PENDING_STACKS:
+        stack_in_place(_PENDING_STACKS.pop())
+    with torch.no_grad():
+        for weight in list(_PENDING.keys()):
+            del _PENDING[weight]
+            if relaid_out(weight):
+                continue
+            weight.data = weight.detach().t().contiguous().t()
+            _RELAYOUT.pop(weight, None)
+            done += 1
+    return done
+
+
+def pending() -> bool:
+    return len(_PENDING) > 0 or len(_PENDING_STACKS) > 0
 
 
 def relayout(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -33,6 +90,94 @@ def relayout(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     copy = weight.detach().t().contiguous()
     _RELAYOUT[weight] = (weight._version, copy)
     return copy, True
+
+
+def stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(tensors)`` (along dim 0) without a copy when the tensors are consecutive row
+    blocks of one contiguous storage (``stack_in_place`` made them so), else None."""
+    first = tensors[0]
+    offset, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr \
+                or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return torch.as_strided(first, (rows, *first.shape[1:]), (first[0].numel(), *first.stride()[1:]),
+                            first.storage_offset())
+
+
+def stack_in_place(tensors: list[torch.Tensor]) -> None:
+    """Copy ``tensors`` into one stacked storage and make each one's ``data`` its row slice of
+    it (the originals are freed)."""
+    if stacked_view(tensors) is not None:
+        return
+    with torch.no_grad():
+        whole = torch.cat([t.detach() for t in tensors])
+        start = 0
+        for t in tensors:
+            t.data = whole[start:start + t.shape[0]]
+            start += t.shape[0]
+
+
+def _fusable(lins: list[Linear]) -> bool:
+    first = lins[0].weight
+    params = [lin.weight for lin in lins] + [lin.bias for lin in lins if lin.bias is not None]
+    return (
+        all(isinstance(p, torch.nn.Parameter) for p in params)
+        and len({id(lin.weight) for lin in lins}) == len(lins)
+        and all(lin.weight.shape[1] == first.shape[1] and lin.weight.dtype == first.dtype
+                and lin.weight.device == first.device for lin in lins)
+        and len({lin.bias is None for lin in lins}) == 1
+        and all(len(lin.node.args) >= 2 and not lin.node.kwargs for lin in lins)
+    )
+
+
+def fuse_linears(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+    """Replace dense linears that read the same node by one linear on their stacked weights
+    (``stacked``) and a split of its output."""
+    graph = gm.graph
+    siblings: dict[fx.Node, list[Linear]] = {}
+    for node in graph.nodes:
+        lin = ctx.linear(node, gm)
+        if lin is not None:
+            siblings.setdefault(lin.input, []).append(lin)
+    for x, lins in siblings.items():
+        if len(lins) < 2 or not _fusable(lins):
+            continue
+        groups = [[lin.weight for lin in lins]]
+        if lins[0].bias is not None:
+            groups.append([lin.bias for lin in lins])
+        views = [stacked_view(g) for g in groups]
+        if any(v is None for v in views):
+            # A parameter's storage offset cannot change under the graph being compiled
+            # (Dynamo's fake copies of the inputs are fixed): stack after this graph's call,
+            # together with the pending re-layout, whose new strides make Dynamo recompile.
+            if ctx.counters.values.get("relayout_pending"):
+                for group in groups:
+                    _PENDING_STACKS.append(group)
+                ctx.counters.add("fuse_pending", len(lins))
+            continue
+        weight, bias = views[0], views[1] if len(views) > 1 else None
+        sizes = [lin.weight.shape[0] for lin in lins]
+        with graph.inserting_before(lins[0].node):
+            w_node = add_constant(gm, ctx, "fused_weight", weight, fake_mode)
+            b_node = add_constant(gm, ctx, "fused_bias", bias, fake_mode) if bias is not None \
+                else None
+            fused = graph.call_function(lins[0].node.target, (x, w_node, b_node))
+            set_val(fused, fake_mode)
+            parts = graph.call_function(torch.split, (fused, sizes, -1))
+            set_val(parts, fake_mode)
+            outs = []
+            for i in range(len(lins)):
+                out = graph.call_function(operator.getitem, (parts, i))
+                set_val(out, fake_mode)
+                outs.append(out)
+        for lin, out in zip(lins, outs, strict=True):
+            out.meta.setdefault("stack_trace", lin.node.meta.get("stack_trace"))
+            lin.node.replace_all_uses_with(out)
+            graph.erase_node(lin.node)
+        ctx.counters.add("fused_linears", len(lins))
 
 
 def _is_dejavu(node: fx.Node) -> bool:
@@ -50,6 +195,13 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         weight = ctx.tensor(node.args[0], gm)
         if weight is None:
             continue
+        if relaid_out(weight):  # in place already: the view is the layout the kernels read
+            ctx.counters.add("relayout_in_place")
+            continue
+        if ctx.options.relayout == "in_place" and isinstance(weight, torch.nn.Parameter):
+            _PENDING[weight] = True  # this graph reads the strided view, once
+            ctx.counters.add("relayout_pending")
+            continue
         copy, new = relayout(weight)
         with graph.inserting_before(node):
             const = add_constant(gm, ctx, "relayout", copy, fake_mode)
@@ -58,6 +210,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.counters.add("relayout")
         if new:  # copies are shared between graphs: count each once
             ctx.counters.add("relayout_bytes", copy.numel() * copy.element_size())
+    if ctx.options.fuse_linears:
+        fuse_linears(gm, ctx, fake_mode)
     graph.lint()
     gm.recompile()
     return gm

@@ -85,7 +85,7 @@ def test_density_one_equals_eager(tiny, arch):
 def test_graph_holds_expected_ops(tiny, arch, granularity):
     model = tiny(arch)
     backend, graphs = _capture({"selector": "oracle", "mlp_density": 0.5, "attention_density": 0.5,
-                                "attention_granularity": granularity})
+                                "attention_granularity": granularity, "relayout": "copy"})
     with torch.no_grad():
         _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
     (prefill_gm, prefill_ctx), (gm, ctx) = graphs
@@ -107,6 +107,61 @@ def test_graph_holds_expected_ops(tiny, arch, granularity):
     for node in gm.graph.nodes:
         if node.op == "get_attr" or node.target in _DEJAVU_TARGETS:
             assert isinstance(node.meta["val"], torch.Tensor), node
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_in_place_relayout_keeps_no_second_copy(tiny, arch):
+    """The default re-layout swaps each down / output projection for the transposed view of its
+    [in, out] copy after the first decode call; Dynamo recompiles once, the new graph reads the
+    parameters as they are (no copy), and the outputs still match eager decoding."""
+    model = tiny(arch)
+    layers = model.config.num_hidden_layers
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    captured = []
+
+    def backend(gm, example_inputs):
+        compiled = dejavu_compile.backend.dejavu_backend(
+            gm, example_inputs, options={"selector": "oracle", "mlp_density": 0.5,
+                                         "attention_density": 0.5})
+        captured.append(dejavu_compile.backend._REPORTS[-1].counters)
+        return compiled
+
+    with torch.no_grad():
+        want = _decode_logits(model, prompt())
+    swapped = [n for n, p in model.named_parameters() if not p.is_contiguous()]
+    assert swapped == []
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        got = _decode_logits(compiled, prompt(), steps=3)
+    swapped = sorted(n for n, p in model.named_parameters() if not p.is_contiguous())
+    assert len(swapped) == 2 * layers
+    assert all(n.endswith(("fc2.weight", "out_proj.weight", "down_proj.weight", "o_proj.weight"))
+               for n in swapped), swapped
+    params = dict(model.named_parameters())
+    for name in swapped:
+        assert params[name].t().is_contiguous() and params[name].data_ptr() != before[name]
+    # first decode graph: asked for the swap; the recompiled one found it done
+    decode = [c for c in captured if c.get("relayout_pending") or c.get("relayout_in_place")]
+    assert decode[0].get("relayout_pending") == 2 * layers
+    assert decode[-1].get("relayout_in_place") == 2 * layers
+    assert not any(c.get("relayout") for c in captured)
+    # Q, K and V (dense: the oracle selects heads at the output) are one linear on one storage
+    assert decode[0].get("fuse_pending") == 3 * layers and not decode[0].get("fused_linears")
+    assert decode[-1].get("fused_linears") == 3 * layers
+    storages = {}
+    for name, p in model.named_parameters():
+        storages.setdefault(p.untyped_storage().data_ptr(), []).append(name.rsplit(".", 2)[-2:])
+    shared = sorted(sorted(v) for v in storages.values() if len(v) > 1)
+    kinds = ["weight", "bias"] if arch == "opt" else ["weight"]
+    assert shared == sorted([[p, kind] for p in ("k_proj", "q_proj", "v_proj")]
+                            for kind in kinds for _ in range(layers))
+    # the eager model reads the same re-laid-out parameters
+    with torch.no_grad():
+        again = _decode_logits(model, prompt())
+    torch.testing.assert_close(again, want, **FP32)
+    with torch.no_grad():
+        masked = _reference_logits(model, prompt(), lambda: _masked_reference(model, 0.5, 0.5))
+    torch.testing.assert_close(got, masked, **FP32)
 
 
 def _masked_reference(model, mlp_density: float, head_density: float):

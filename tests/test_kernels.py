@@ -101,6 +101,30 @@ def test_head_kernels(dtype, n_heads, head_dim, k, bias, batch):
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_transposed_views_read_as_contiguous(dtype, gated):
+    """The down and output projections may arrive as ``w.t()`` views of ``[out, in]`` weights
+    (the call before the in-place re-layout): same results as the contiguous layout."""
+    d, n, d_out, k = 37, 45, 29, 13
+    x = _rand(2, 1, d, dtype=dtype, seed=0)
+    w1, w2 = _rand(n, d, dtype=dtype, seed=1), _rand(d_out, n, dtype=dtype, seed=2)
+    w_up = _rand(n, d, dtype=dtype, seed=4) if gated else None
+    b1 = None if gated else _rand(n, dtype=dtype, seed=3)
+    idx = _selection(2, n, k).view(2, 1, k)
+    view, copy = w2.t(), w2.t().contiguous()
+    assert not view.is_contiguous()
+    got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, view, None, "silu")
+    want = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, copy, None, "silu")
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    attn = _rand(2, 1, 6 * 8, dtype=dtype, seed=5)
+    wo = _rand(d, 6 * 8, dtype=dtype, seed=6)
+    hidx = _selection(2, 6, 3).view(2, 1, 3)
+    torch.testing.assert_close(heads.sparse_head_out(attn, hidx, wo.t(), None, 8),
+                               heads.sparse_head_out(attn, hidx, wo.t().contiguous(), None, 8),
+                               **TOL[dtype])
+
+
 def test_kernels_refuse_unsupported_dtype():
     x = torch.randn(1, 1, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match="Triton kernel handles"):

@@ -253,13 +253,16 @@ def test_generate_works_and_does_not_recompile_per_step(tiny, cache):
         dejavu_compile.compile(model, selector="oracle", mlp_density=1.0, attention_density=1.0,
                                inner="eager")
         got = model.generate(ids, **kwargs)
-        graphs = _count_graphs(model)
         again = model.generate(ids, **kwargs)
-    assert torch.equal(got, want) and torch.equal(again, want)
+        graphs = _count_graphs(model)
+        third = model.generate(ids, **kwargs)
+    assert torch.equal(got, want) and torch.equal(again, want) and torch.equal(third, want)
     rows = dejavu_compile.report(model).layers
     assert all(r.attention.selector == "oracle" and r.mlp.selector == "oracle" for r in rows)
-    # Prefill, the first decode step, and at most one graph generalised over the cache length.
-    assert graphs <= 3, f"{graphs} graphs for 11 decode steps"
+    # Prefill, the first decode step, at most one graph generalised over the cache length, and
+    # the prefill again once: the first decode call re-lays out the down and output projections
+    # in place, and the new strides recompile each graph that reads them, once.
+    assert graphs <= 4, f"{graphs} graphs for two generations of 11 decode steps"
     assert _count_graphs(model) == graphs, "a repeated generation compiled new graphs"
 
 
