@@ -36,6 +36,7 @@ def register_model(model: torch.nn.Module) -> None:
     with _LOCK:
         for name, param in model.named_parameters():
             _PARAM_NAMES[param] = name
+        lower.register_owners(model)
 
 
 def _resolve_profile(profile: Any) -> Profile | None:
@@ -101,15 +102,22 @@ def _release_after(compiled):
     pass asked for (``passes.lower.release_pending``): Dynamo guards on the weights' strides, so
     the swap waits until the graph that read them strided has run; the next call recompiles."""
 
-    def release():
-        if lower.pending():
-            released = lower.release_pending()
-            log.info("dejavu: re-laid out %d weights in place; Dynamo recompiles for their "
-                     "new strides on the next call", released)
+    released = []
 
     def run(*args):
+        if released:
+            raise RuntimeError(
+                "dejavu: a graph compiled for the weights' layout before their in-place "
+                "re-layout was called again (Dynamo did not recompile). Register the model "
+                "first (dejavu_compile.compile(model) or dejavu_compile.backend.register_model("
+                "model)) so the re-layout can tell Dynamo, or compile with "
+                "options={'relayout': 'copy'}")
         out = compiled(*args)
-        release()
+        if lower.pending():
+            count = lower.release_pending()
+            log.info("dejavu: re-laid out %d weights in place; Dynamo recompiles for their "
+                     "new strides on the next call", count)
+        released.append(True)
         return out
 
     return run

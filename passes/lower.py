@@ -34,6 +34,7 @@ reference on CPU, the registered Triton kernels on CUDA.
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
@@ -47,6 +48,32 @@ _RELAYOUT = WeakIdKeyDictionary()
 # stacked into one storage (see ``release_pending``)
 _PENDING = WeakIdKeyDictionary()
 _PENDING_STACKS: list[list[torch.Tensor]] = []
+# parameter -> the modules that hold it (``register_owners``)
+_OWNERS = WeakIdKeyDictionary()
+
+
+def register_owners(model: torch.nn.Module) -> None:
+    """Remember which modules hold each of ``model``'s parameters, so that ``release_pending``
+    can tell Dynamo they changed (see there)."""
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners = _OWNERS.setdefault(param, [])
+                if not any(ref() is module for ref in owners):
+                    owners.append(weakref.ref(module))
+
+
+def _touch_owners(params) -> None:
+    """Give each owner of ``params`` a new ``_parameters`` dict (same items, same order). Dynamo
+    trusts the tensors held in a dict whose version tag is unchanged and skips their guards
+    (``skip_tensor_guards_with_matching_dict_tags``); a new dict makes it check them, see the
+    new strides and recompile. Without this, torch 2.11 under CUDA graphs reran the old graph
+    on the re-laid-out weights (a stride assertion)."""
+    for param in params:
+        for ref in _OWNERS.get(param, ()):
+            module = ref()
+            if module is not None:
+                module.__dict__["_parameters"] = dict(module._parameters)
 DEJAVU_NAMESPACE = "dejavu"
 
 
@@ -63,9 +90,11 @@ def release_pending() -> int:
 
     Run by the compiled function right after the call of the compilation that asked (Dynamo
     then recompiles once, for the new strides), or by hand."""
-    done = 0
+    done, changed = 0, []
     while _PENDING_STACKS:
-        stack_in_place(_PENDING_STACKS.pop())
+        group = _PENDING_STACKS.pop()
+        stack_in_place(group)
+        changed.extend(group)
     with torch.no_grad():
         for weight in list(_PENDING.keys()):
             del _PENDING[weight]
@@ -73,7 +102,9 @@ def release_pending() -> int:
                 continue
             weight.data = weight.detach().t().contiguous().t()
             _RELAYOUT.pop(weight, None)
+            changed.append(weight)
             done += 1
+    _touch_owners(changed)
     return done
 
 
