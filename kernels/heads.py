@@ -48,7 +48,8 @@ def _head_proj_kernel(
     tl.atomic_add(out_ptr + row * stride_out + wrows, acc, mask=mask)
 
 
-@triton.autotune(configs=reduce_configs(), key=["DOUT", "J"], reset_to_zero=["out_ptr"])
+# column stride in the key: see sparse_mlp._down_kernel
+@triton.autotune(configs=reduce_configs(), key=["DOUT", "J", "stride_wo"], reset_to_zero=["out_ptr"])
 @triton.jit
 def _head_out_kernel(
     a_ptr, idx_ptr, w_ptr, out_ptr,

@@ -54,7 +54,10 @@ def _up_kernel(
                       tl.sum(u.to(tl.float32) * x[None, :], 1), mask=mask_n)
 
 
-@triton.autotune(configs=reduce_configs(), key=["DOUT", "K"], reset_to_zero=["out_ptr"])
+# the weight's column stride is in the key: a transposed view (the one call before the in-place
+# re-layout) must not pick the tiles that every later call, on the re-laid-out rows, runs with
+@triton.autotune(configs=reduce_configs(), key=["DOUT", "K", "stride_w2o"],
+                 reset_to_zero=["out_ptr"])
 @triton.jit
 def _down_kernel(
     # pointers
