@@ -511,12 +511,17 @@ def _step_ms(model, forward, length: int, steps: int) -> float:
     return statistics.median(times)
 
 
+KV_ATTENTION = ("dejavu", "sdpa")
+
+
 @torch.no_grad()
 def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: int = 20,
-             rank: int = 128, workdir=None) -> dict:
+             rank: int = 128, workdir=None, attention: str = KV_ATTENTION[0]) -> dict:
     """Decode-step latency from 2K to 128K context for dense, projection sparsity (the
     operating point), KV selection (``kv_keep`` of the context) and both; every mode reads its
-    cache through the same SDPA call (no mask: PyTorch's flash kernel). Returns the times, the
+    cache through the same attention kernel: ``attention="dejavu"`` the split-K
+    ``dejavu::decode_attention`` (``kv.use_decode_attention``), ``"sdpa"`` PyTorch's SDPA (no
+    mask: its flash kernel, one program per head). Returns the times, the
     bytes of each mode and the fixed cost of each (measured time minus bytes at copy bandwidth,
     at the shortest context), with the byte crossover and the cost-aware predicted crossing."""
     import tempfile
@@ -528,8 +533,14 @@ def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: 
 
     workdir = Path(workdir or tempfile.mkdtemp())
     point = OPERATING_POINTS[name]
+    if attention not in KV_ATTENTION:
+        raise ValueError(f"attention must be one of {KV_ATTENTION}, got {attention!r}")
     model = random_model(cfg)
     dejavu_compile.backend.register_model(model)
+    if attention == "dejavu":
+        from .kv import use_decode_attention
+
+        use_decode_attention(model)
     shape = ModelBytes.from_config(cfg, name)  # fp16, as random_model builds it
     kv_per_token = shape.kv_bytes_per_token * shape.num_layers
     rows, weights = [], {}
@@ -557,7 +568,7 @@ def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: 
     gc.collect()
     torch.cuda.empty_cache()
     return {"model": name, "kv_keep": kv_keep, "operating_point": point, "rows": rows,
-            "weights": weights, "kv_bytes_per_token": kv_per_token}
+            "weights": weights, "kv_bytes_per_token": kv_per_token, "attention": attention}
 
 
 def analyse_kv(sweep: dict, bandwidth: float) -> dict:
@@ -595,7 +606,8 @@ def analyse_kv(sweep: dict, bandwidth: float) -> dict:
 
 
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
-        e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False) -> dict:
+        e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
+        kv_attention: str = KV_ATTENTION[0]) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict."""
     if not torch.cuda.is_available():
         raise RuntimeError("dejavu bench needs a CUDA GPU")
@@ -607,7 +619,7 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
     result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": []}
     print(f"GPU {result['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if kv:
-        sweep = kv_sweep(KV_MODEL, configs[KV_MODEL])
+        sweep = kv_sweep(KV_MODEL, configs[KV_MODEL], attention=kv_attention)
         result["kv"] = {**sweep, **analyse_kv(sweep, bw)}
     for name in models:
         if kernels:
@@ -691,11 +703,15 @@ def _breakdown_markdown(r: dict) -> list[str]:
     return lines + [""]
 
 
+_KV_KERNEL = {"dejavu": "split-K `dejavu::decode_attention` kernel", "sdpa": "SDPA call"}
+
+
 def _kv_markdown(kv: dict) -> list[str]:
     point = kv["operating_point"]
     lines = [f"### Projection vs KV sparsity ({kv['model']}, fp16, batch 1; projection: MLP "
              f"{point['mlp']}, attention {point['attention']}; KV keep {kv['kv_keep']}; every "
-             "mode reads its cache through the same SDPA call)", "",
+             f"mode reads its cache through the same {_KV_KERNEL[kv.get('attention', 'sdpa')]})",
+             "",
              "| context | dense ms | projection ms | KV ms | both ms | fastest |",
              "| --- | --- | --- | --- | --- | --- |"]
     ms = {(r["mode"], r["context"]): r["ms"] for r in kv["rows"]}

@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 
-from .bench import MODES
+from .bench import KV_ATTENTION, MODES
 
 
 def _commit() -> str:
@@ -30,7 +30,7 @@ def _bench(args) -> int:
 
     result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
                        e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
-                       breakdown=args.breakdown)
+                       breakdown=args.breakdown, kv_attention=args.kv_attention)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", action="store_true",
                    help="also sweep dense / projection / KV / both from 2K to 128K context "
                         "(Llama-3-8B shape); its JSON feeds `dejavu plan --costs`")
+    p.add_argument("--kv-attention", choices=KV_ATTENTION, default=KV_ATTENTION[0],
+                   help="the attention every --kv mode reads its cache with: the split-K "
+                        "dejavu::decode_attention kernel or PyTorch's SDPA")
     p.add_argument("--breakdown", action="store_true",
                    help="also profile each end-to-end mode: GPU time per step by kernel")
     p.set_defaults(fn=_bench)

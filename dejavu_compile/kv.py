@@ -58,6 +58,44 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION_NAME, _scored_attention)
 
 
+DECODE_ATTENTION = "dejavu_decode"
+
+
+def _decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
+    """Hugging Face attention function ``dejavu_decode``: a decode step (one query token) with
+    no mask or a boolean key mask shared by the heads runs ``torch.ops.dejavu.decode_attention``
+    (split over the keys on CUDA); anything else (prefill, a float or per-head mask, a sliding
+    window, soft-capping, dropout) runs SDPA as before."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask = attention_mask
+    keys = key.shape[2]
+    if mask is not None and mask.dtype == torch.bool and mask.dim() == 4 \
+            and mask.shape[1] == 1 and mask.shape[2] == 1 and mask.shape[3] == keys:
+        mask = mask[:, 0, 0, :].expand(query.shape[0], keys)
+    plain = (query.shape[2] == 1 and (mask is None or mask.dim() == 2) and not dropout
+             and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
+             and query.shape[1] % key.shape[1] == 0)
+    if not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.dejavu.decode_attention(query, key, value, float(scale), mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_decode_attention(model) -> None:
+    """Run ``model``'s decode-step attention through ``dejavu::decode_attention`` (masks are
+    built as for SDPA, which drops an all-visible one)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, _decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(DECODE_ATTENTION)
+
+
 @contextlib.contextmanager
 def _scoring(model):
     """Run the model's attention through the scoring function; yields the score dict."""

@@ -31,3 +31,30 @@ def kv_select(scores: torch.Tensor, budget: int, sinks: int, window: int,
 @kv_select.register_fake
 def _(scores, budget, sinks, window, smooth):
     return scores.new_empty(*scores.shape[:2], min(budget, scores.shape[2]), dtype=torch.int64)
+
+
+@torch.library.custom_op("dejavu::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token's attention over its KV cache, grouped-query heads read once per KV
+    head: q [B, H, 1, D], k / v [B, KVH, L, D], mask None or bool [B, L] (True: attend) ->
+    [B, H, 1, D]. On CUDA the split-K Triton kernel of ``kernels/decode_attention.py``; every
+    mode of ``dejavu bench --kv`` reads its cache through it."""
+    _check_decode(q, k, v, mask)
+    return ref.decode_attention(q, k, v, scale, mask)
+
+
+def _check_decode(q, k, v, mask) -> None:
+    if q.dim() != 4 or q.shape[2] != 1 or k.shape[:3] != v.shape[:3] \
+            or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} must be [B, H, 1, D] with H a "
+                         f"multiple of the KV heads of k {tuple(k.shape)} / v {tuple(v.shape)}")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (k.shape[0], k.shape[2])):
+        raise ValueError(f"decode_attention: mask must be bool [B, L] = {(k.shape[0], k.shape[2])}, "
+                         f"got {mask.dtype} {tuple(mask.shape)}")
+
+
+@decode_attention.register_fake
+def _(q, k, v, scale, mask=None):
+    _check_decode(q, k, v, mask)
+    return torch.empty_like(q)

@@ -255,3 +255,19 @@ def kv_select(scores: torch.Tensor, budget: int, sinks: int, window: int, smooth
     ranked[..., :sinks] = float("inf")
     ranked[..., t - window :] = float("inf")
     return ranked.topk(budget, dim=-1).indices.sort(dim=-1).values
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new query token per sequence over its KV cache.
+
+    q: [B, H, 1, D]; k, v: [B, KVH, L, D], H a multiple of KVH (grouped-query heads: query head
+    h reads KV head h // (H / KVH)); mask: None or bool [B, L], True where the sequence may
+    attend; softmax in fp32; returns [B, H, 1, D] in q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(group, 1).to(torch.promote_types(k.dtype, torch.float32))
+    vv = v.repeat_interleave(group, 1).to(kk.dtype)
+    s = (q.to(kk.dtype) @ kk.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+    return (s.softmax(-1) @ vv).to(q.dtype)

@@ -1,6 +1,6 @@
 """Discover: find each decoder layer's attention and MLP blocks from the graph's data flow.
 
-Attention: each ``scaled_dot_product_attention`` node; its query, key and value are traced back
+Attention: each ``scaled_dot_product_attention`` node (or ``dejavu::decode_attention``); its query, key and value are traced back
 to the nearest linear projections (through reshapes, norms, rotary embeddings and the KV cache),
 which must share one input; its output is traced forward through reshapes to the output
 projection. MLP: a linear whose input is ``act(linear(x))`` or ``act(linear(x)) * linear(x)``.
@@ -22,6 +22,22 @@ import torch.nn.functional as F
 from .context import Linear, PassContext, fake_value, is_linear, layer_hint, parameter_name
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+# attention ops with SDPA's leading (query, key, value) arguments
+ATTENTION_OPS = ("dejavu::decode_attention",)
+
+
+def is_attention(node: fx.Node) -> bool:
+    """An SDPA call, or ``dejavu::decode_attention`` (``kv.use_decode_attention``)."""
+    if node.op != "call_function":
+        return False
+    if node.target in SDPA_TARGETS:
+        return True
+    # Dynamo records ``torch.ops.dejavu.decode_attention`` (the packet), later passes the overload
+    name = getattr(node.target, "_qualified_op_name", None)
+    if name is None:
+        schema = getattr(node.target, "_schema", None)
+        name = schema.name if schema is not None else None
+    return name in ATTENTION_OPS
 # Ops that only move or re-view the heads between attention and the output projection.
 VIEW_METHODS = {"transpose", "reshape", "view", "contiguous", "permute", "flatten"}
 VIEW_FUNCTIONS = {torch.transpose, torch.reshape, torch.flatten, torch.permute}
@@ -163,7 +179,7 @@ def _nearest_linears(start, limit: int = MAX_TRACE) -> tuple[list[fx.Node], bool
         if is_linear(node):
             found.append(node)
             continue
-        if node.op == "call_function" and node.target in SDPA_TARGETS:
+        if is_attention(node):
             return found, False
         stack.extend(node.all_input_nodes)
         for user in node.users:
@@ -290,7 +306,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     failures: list[str] = []
     claimed: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in SDPA_TARGETS:
+        if is_attention(node):
             found, why = _match_attention(node, gm, ctx)
             if found is None:
                 failures.append(f"attention at {node.name}: {why}")

@@ -43,6 +43,13 @@ def test_analyse_kv_finds_costs_and_crossings():
     assert out["predicted_crossing"] == pytest.approx(4000)
     assert out["measured_crossing"] == pytest.approx(4000)
     assert out["fastest"] == {1000: "projection", 5000: "kv", 9000: "kv"}
+    # the section names the attention kernel every mode read its cache with
+    for attention, words in (("dejavu", "split-K `dejavu::decode_attention`"), ("sdpa", "SDPA")):
+        text = "\n".join(bench._kv_markdown({**sweep, **out, "model": "m", "attention": attention,
+                                             "operating_point": {"mlp": 0.5, "attention": 1.0}}))
+        assert words in text and "| 5000 |" in text
+    with pytest.raises(ValueError, match="attention must be one of"):
+        bench.kv_sweep("llama-3-8b", None, attention="flash")
 
 
 def test_kernel_breakdown_sums_per_step():

@@ -155,3 +155,46 @@ def test_bucket_selector_kernel(dtype, units, k, group, buckets, act, bias, batc
     got = bucket_select.select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
     assert got.shape == want.shape == (batch, 1, k * group)
     assert torch.equal(got, want)  # the same ids, in the same ascending order
+
+
+decode_attention = pytest.importorskip("dejavu_compile.kernels.decode_attention")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,length,head_dim", [
+    (1, 4, 1, 1, 8),      # one cached position
+    (2, 6, 3, 37, 12),    # odd length and head size, groups of 2
+    (1, 8, 2, 300, 16),   # many chunks
+    (1, 4, 4, 70, 24),    # no grouping
+])
+def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim):
+    q = _rand(batch, heads, 1, head_dim, dtype=dtype, seed=0) * head_dim ** 0.5
+    k = _rand(batch, kv_heads, length, head_dim, dtype=dtype, seed=1) * head_dim ** 0.5
+    v = _rand(batch, kv_heads, length, head_dim, dtype=dtype, seed=2)
+    scale = head_dim ** -0.5
+    want = _ref64(ref.decode_attention, q, k, v, scale)
+    got = decode_attention.decode_attention(q, k, v, scale)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    # a cache read through a strided view (a static buffer's first positions)
+    big_k = _rand(batch, kv_heads, length + 5, head_dim, dtype=dtype, seed=1)[:, :, :length]
+    big_v = _rand(batch, kv_heads, length + 5, head_dim, dtype=dtype, seed=2)[:, :, :length]
+    torch.testing.assert_close(decode_attention.decode_attention(q, big_k, big_v, scale).double(),
+                               _ref64(ref.decode_attention, q, big_k, big_v, scale), **TOL[dtype])
+    # a key mask (padding, unfilled static cache): a masked run longer than a chunk, and the
+    # last position always visible
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(batch, length, generator=gen) < 0.6
+    mask[:, : length // 2] = False
+    mask[:, -1] = True
+    mask = mask.to(DEVICE)
+    torch.testing.assert_close(decode_attention.decode_attention(q, k, v, scale, mask).double(),
+                               _ref64(ref.decode_attention, q, k, v, scale, mask), **TOL[dtype])
+
+
+def test_decode_attention_splits_fill_the_gpu():
+    assert decode_attention.splits_for(8, 131072) * 8 >= decode_attention.PROGRAMS
+    assert decode_attention.splits_for(8, 1) == 1
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        decode_attention.decode_attention(torch.zeros(1, 3, 1, 8), torch.zeros(1, 2, 5, 8),
+                                          torch.zeros(1, 2, 5, 8), 1.0)

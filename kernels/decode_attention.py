@@ -1,0 +1,167 @@
+"""Decode attention split over the keys (flash-decoding): one new query token per sequence
+against a KV cache of any length, grouped-query heads read once per KV head.
+
+With one query token, PyTorch's flash kernel runs one program per (batch, head) and streams
+the whole cache through it: at 128K tokens the H200 read the cache at about 0.36 TB/s of its
+4.3 (BENCHMARKS.md). Here the cache of each KV head is cut into ``splits`` chunks, so
+``batch * kv_heads * splits`` programs run at once:
+
+1. ``_split_kernel``: program (batch * kv head, chunk) loads the group's query heads (padded to
+   16 rows, so the products are tensor-core dots) and walks its chunk of keys and values in
+   blocks with an online softmax; it writes its unnormalised output, running maximum and sum.
+2. ``_combine_kernel``: program (batch * query head) rescales the chunks to a common maximum and
+   sums them.
+
+The cache is read exactly once. Reference: ``kernels/reference.py::decode_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import INTERPRET, check_dtype
+
+BLOCK_L = 16 if INTERPRET else 64
+# enough programs to fill the GPU several times over; each chunk at least one block
+PROGRAMS = 4 * 132
+
+
+def _fp32_dots(dtype: torch.dtype) -> bool:
+    """Whether the kernel's dots run in fp32 (IEEE): for fp32 caches (no TF32 rounding), and for
+    bf16 under the interpreter, whose bf16 ``tl.dot`` returns garbage (Triton 3.6); compiled on
+    a GPU, fp16 and bf16 dots run on tensor cores with fp32 accumulation."""
+    return dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
+
+
+def splits_for(batch_heads: int, length: int) -> int:
+    """Chunks per KV head: enough programs to fill the GPU, at least ``BLOCK_L`` keys each."""
+    blocks = triton.cdiv(length, BLOCK_L)
+    return max(1, min(blocks, triton.cdiv(PROGRAMS, batch_heads)))
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
+    L, G, D, KVH, CHUNK, scale,
+    sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, smask_b,
+    HAS_MASK: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    IEEE: tl.constexpr,  # dots in fp32 (``_fp32_dots``)
+):
+    bh, chunk = tl.program_id(0), tl.program_id(1)
+    splits = tl.num_programs(1)
+    b, kvh = bh // KVH, bh % KVH
+    rows = tl.arange(0, GP)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g, mask_d = rows < G, offs_d < D
+    # query heads kvh * G .. kvh * G + G - 1 share this KV head
+    q = tl.load(q_ptr + b * sq_b + (kvh * G + rows[:, None]) * sq_h + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q = q.to(tl.float32) * scale
+    if not IEEE:
+        q = q.to(k_ptr.dtype.element_ty)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    s_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    start = chunk * CHUNK
+    end = tl.minimum(start + CHUNK, L)
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    for lo in range(start, end, BLOCK_L):
+        offs_l = lo + tl.arange(0, BLOCK_L)
+        mask_l = offs_l < end
+        if HAS_MASK:  # positions the sequence may not attend to (padding, unfilled cache)
+            mask_l &= tl.load(mask_ptr + b * smask_b + offs_l, mask=mask_l, other=0) != 0
+        kv_mask = mask_l[:, None] & mask_d[None, :]
+        k = tl.load(k_base + offs_l[:, None] * sk_l + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            k = k.to(tl.float32)  # fp32 caches: no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_L], fp32
+        s = tl.where(mask_l[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        s_sum = s_sum * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_l[:, None] * sv_l + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    # partials laid out [B * KVH, splits, GP, BLOCK_D] and [B * KVH, splits, GP]
+    part = bh * splits + chunk
+    tl.store(o_ptr + (part * GP + rows[:, None]) * BLOCK_D + offs_d[None, :], acc)
+    tl.store(m_ptr + part * GP + rows, m)
+    tl.store(l_ptr + part * GP + rows, s_sum)
+
+
+@triton.jit
+def _combine_kernel(
+    o_ptr, m_ptr, l_ptr, out_ptr,
+    G, D, KVH, SPLITS, so_b, so_h,
+    GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    bhq = tl.program_id(0)
+    H = KVH * G
+    b, h = bhq // H, bhq % H
+    kvh, g = h // G, h % G
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < SPLITS
+    base = (b * KVH + kvh) * SPLITS
+    m = tl.load(m_ptr + (base + offs_s) * GP + g, mask=mask_s, other=float("-inf"))
+    s = tl.load(l_ptr + (base + offs_s) * GP + g, mask=mask_s, other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.where(mask_s & (m > float("-inf")), tl.exp(m - m_all), 0.0)
+    acc = tl.load(o_ptr + ((base + offs_s[:, None]) * GP + g) * BLOCK_D + offs_d[None, :],
+                  mask=mask_s[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(s * w, 0)
+    tl.store(out_ptr + b * so_b + h * so_h + offs_d, (num / den).to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher of ``torch.ops.dejavu.decode_attention``.
+
+    q: [B, H, 1, D]; k, v: [B, KVH, L, D] (the last dimension contiguous), H a multiple of KVH;
+    mask: None or bool [B, L] (True: attend); returns [B, H, 1, D] in q's dtype.
+    """
+    check_dtype("decode_attention", q, k, v)
+    b, h, t, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    if t != 1 or h % kvh or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} must be [B, H, 1, D] with H a "
+                         f"multiple of the KV heads of k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("decode_attention: the head dimension must be contiguous")
+    g = h // kvh
+    gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
+    splits = splits_for(b * kvh, length)
+    chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
+    splits = triton.cdiv(length, chunk)
+    part_o = torch.empty(b * kvh * splits * gp * block_d, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    if mask is not None:
+        mask = mask.to(torch.uint8) if mask.stride(-1) == 1 else mask.to(torch.uint8).contiguous()
+    _split_kernel[(b * kvh, splits)](
+        q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
+        length, g, d, kvh, chunk, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
+        HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, BLOCK_L=BLOCK_L, IEEE=_fp32_dots(k.dtype), num_warps=4,
+    )
+    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    _combine_kernel[(b * h,)](
+        part_o, part_m, part_l, out,
+        g, d, kvh, splits, out.stride(0), out.stride(1),
+        GP=gp, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+    )
+    return out
