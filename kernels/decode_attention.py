@@ -23,9 +23,18 @@ import triton.language as tl
 
 from .triton_common import INTERPRET, check_dtype
 
-BLOCK_L = 16 if INTERPRET else 64
-# enough programs to fill the GPU several times over; each chunk at least one block
+# Chunks are a multiple of CHUNK_UNIT keys, so every autotuned block size divides them.
+CHUNK_UNIT = 16 if INTERPRET else 128
+# enough programs to fill the GPU several times over; each chunk at least one unit
 PROGRAMS = 4 * 132
+
+
+def _configs() -> list[triton.Config]:
+    """Keys per block, warps and pipeline stages; the interpreter (CPU tests) runs one."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_L": 16}, num_warps=1)]
+    return [triton.Config({"BLOCK_L": b}, num_warps=w, num_stages=st)
+            for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
 
 
 def _fp32_dots(dtype: torch.dtype) -> bool:
@@ -36,15 +45,18 @@ def _fp32_dots(dtype: torch.dtype) -> bool:
 
 
 def splits_for(batch_heads: int, length: int) -> int:
-    """Chunks per KV head: enough programs to fill the GPU, at least ``BLOCK_L`` keys each."""
-    blocks = triton.cdiv(length, BLOCK_L)
+    """Chunks per KV head: enough programs to fill the GPU, at least ``CHUNK_UNIT`` keys each."""
+    blocks = triton.cdiv(length, CHUNK_UNIT)
     return max(1, min(blocks, triton.cdiv(PROGRAMS, batch_heads)))
 
 
+# L_BUCKET (the cache length rounded up to a power of two) keys the tuning, so a cache that
+# grows by one position a step does not retune every step
+@triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH"])
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
-    L, G, D, KVH, CHUNK, scale,
+    L, L_BUCKET, G, D, KVH, CHUNK, scale,
     sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, smask_b,
     HAS_MASK: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
     IEEE: tl.constexpr,  # dots in fp32 (``_fp32_dots``)
@@ -144,7 +156,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     g = h // kvh
     gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
     splits = splits_for(b * kvh, length)
-    chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_L) * BLOCK_L
+    chunk = triton.cdiv(triton.cdiv(length, splits), CHUNK_UNIT) * CHUNK_UNIT
     splits = triton.cdiv(length, chunk)
     part_o = torch.empty(b * kvh * splits * gp * block_d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
@@ -153,10 +165,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         mask = mask.to(torch.uint8) if mask.stride(-1) == 1 else mask.to(torch.uint8).contiguous()
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
-        length, g, d, kvh, chunk, scale,
+        length, triton.next_power_of_2(length), g, d, kvh, chunk, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
-        HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, BLOCK_L=BLOCK_L, IEEE=_fp32_dots(k.dtype), num_warps=4,
+        HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, IEEE=_fp32_dots(k.dtype),
     )
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     _combine_kernel[(b * h,)](
