@@ -36,7 +36,6 @@ def register_model(model: torch.nn.Module) -> None:
     with _LOCK:
         for name, param in model.named_parameters():
             _PARAM_NAMES[param] = name
-        lower.register_owners(model)
 
 
 def _resolve_profile(profile: Any) -> Profile | None:
@@ -108,10 +107,8 @@ def _release_after(compiled):
         if released:
             raise RuntimeError(
                 "dejavu: a graph compiled for the weights' layout before their in-place "
-                "re-layout was called again (Dynamo did not recompile). Register the model "
-                "first (dejavu_compile.compile(model) or dejavu_compile.backend.register_model("
-                "model)) so the re-layout can tell Dynamo, or compile with "
-                "options={'relayout': 'copy'}")
+                "re-layout was called again (Dynamo did not recompile for the new strides); "
+                "compile with options={'relayout': 'copy'} to keep the parameters as they are")
         out = compiled(*args)
         if lower.pending():
             count = lower.release_pending()

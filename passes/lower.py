@@ -33,8 +33,8 @@ reference on CPU, the registered Triton kernels on CUDA.
 
 from __future__ import annotations
 
+import gc
 import operator
-import weakref
 
 import torch
 import torch.fx as fx
@@ -48,32 +48,25 @@ _RELAYOUT = WeakIdKeyDictionary()
 # stacked into one storage (see ``release_pending``)
 _PENDING = WeakIdKeyDictionary()
 _PENDING_STACKS: list[list[torch.Tensor]] = []
-# parameter -> the modules that hold it (``register_owners``)
-_OWNERS = WeakIdKeyDictionary()
 
 
-def register_owners(model: torch.nn.Module) -> None:
-    """Remember which modules hold each of ``model``'s parameters, so that ``release_pending``
-    can tell Dynamo they changed (see there)."""
-    for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None:
-                owners = _OWNERS.setdefault(param, [])
-                if not any(ref() is module for ref in owners):
-                    owners.append(weakref.ref(module))
+def _touch_holders(params) -> None:
+    """Rebuild in place (same items, same order) every plain dict that holds one of ``params``
+    as a value, such as the ``_parameters`` dict of each module that owns it. Dynamo trusts the
+    tensors held in a dict whose version tag is unchanged and skips their guards
+    (``skip_tensor_guards_with_matching_dict_tags``); the rebuilt dict has a new tag, so Dynamo
+    checks the tensors, sees the new strides and recompiles. Without this, torch 2.11 under CUDA
+    graphs reran the old graph on the re-laid-out weights (a stride assertion)."""
+    ids = {id(p) for p in params}
+    if not ids:
+        return
+    for holder in gc.get_referrers(*params):
+        if type(holder) is dict and any(id(v) in ids for v in holder.values()):
+            items = list(holder.items())
+            holder.clear()
+            holder.update(items)
 
 
-def _touch_owners(params) -> None:
-    """Give each owner of ``params`` a new ``_parameters`` dict (same items, same order). Dynamo
-    trusts the tensors held in a dict whose version tag is unchanged and skips their guards
-    (``skip_tensor_guards_with_matching_dict_tags``); a new dict makes it check them, see the
-    new strides and recompile. Without this, torch 2.11 under CUDA graphs reran the old graph
-    on the re-laid-out weights (a stride assertion)."""
-    for param in params:
-        for ref in _OWNERS.get(param, ()):
-            module = ref()
-            if module is not None:
-                module.__dict__["_parameters"] = dict(module._parameters)
 DEJAVU_NAMESPACE = "dejavu"
 
 
@@ -104,7 +97,7 @@ def release_pending() -> int:
             _RELAYOUT.pop(weight, None)
             changed.append(weight)
             done += 1
-    _touch_owners(changed)
+    _touch_holders(changed)
     return done
 
 

@@ -164,6 +164,24 @@ def test_in_place_relayout_keeps_no_second_copy(tiny, arch):
     torch.testing.assert_close(got, masked, **FP32)
 
 
+def test_release_tells_dynamo_and_refuses_a_stale_graph():
+    """The in-place re-layout rebuilds each dict holding a changed parameter (new version tag,
+    same items and order), and a pre-re-layout graph called a second time raises."""
+    from torch._dynamo.guards import dict_version
+
+    from dejavu_compile.passes import lower
+
+    lin = torch.nn.Linear(4, 3)
+    held, order = lin._parameters, list(lin._parameters)
+    before = dict_version(held)
+    lower._touch_holders([lin.weight])
+    assert dict_version(held) != before and list(held) == order and held is lin._parameters
+    run = dejavu_compile.backend._release_after(lambda *args: sum(args))
+    assert run(1, 2) == 3
+    with pytest.raises(RuntimeError, match="did not recompile"):
+        run(1, 2)
+
+
 def _masked_reference(model, mlp_density: float, head_density: float):
     """Hooks on the eager model that keep only the oracle's top-k of each token: MLP
     neurons by |hidden activation| at the down projection's input, heads by the norm of their
