@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import ACT_CODES, INTERPRET, apply_act, check_dtype
+from .triton_common import ACT_CODES, INTERPRET, QUICK_TUNE, apply_act, check_dtype
 
 # The largest bucket one program ranks (units, padded to a power of two).
 MAX_BUCKET = 1024
@@ -18,6 +18,8 @@ MAX_BUCKET = 1024
 def _hidden_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_H": 4, "BLOCK_D": 16}, num_warps=1)]
+    if QUICK_TUNE:
+        return [triton.Config({"BLOCK_H": 2, "BLOCK_D": 512}, num_warps=4)]
     shapes = [(1, 512, 2), (1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8)]
     return [triton.Config({"BLOCK_H": h, "BLOCK_D": d}, num_warps=w) for h, d, w in shapes]
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, check_dtype
+from .triton_common import INTERPRET, QUICK_TUNE, check_dtype
 
 # Chunks are a multiple of CHUNK_UNIT keys, so every autotuned block size divides them.
 CHUNK_UNIT = 16 if INTERPRET else 128
@@ -33,6 +33,8 @@ def _configs() -> list[triton.Config]:
     """Keys per block, warps and pipeline stages; the interpreter (CPU tests) runs one."""
     if INTERPRET:
         return [triton.Config({"BLOCK_L": 16}, num_warps=1)]
+    if QUICK_TUNE:
+        return [triton.Config({"BLOCK_L": 64}, num_warps=4)]
     return [triton.Config({"BLOCK_L": b}, num_warps=w, num_stages=st)
             for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
 

@@ -11,6 +11,10 @@ import triton.language as tl
 ACT_CODES = {"relu": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# One config per kernel instead of an autotuning sweep: for correctness runs of the compiled
+# kernels (tests/conftest.py sets it), where tuning every parametrised shape costs minutes of
+# GPU time and measures nothing. Benchmarks leave it unset.
+QUICK_TUNE = os.environ.get("DEJAVU_QUICK_TUNE") == "1"
 
 
 @triton.jit
@@ -35,6 +39,8 @@ def tile_configs() -> list[triton.Config]:
     """
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 8, "BLOCK_D": 16}, num_warps=1)]
+    if QUICK_TUNE:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_D": 128}, num_warps=4)]
     shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (16, 256, 4),
               (32, 256, 4), (64, 256, 8), (32, 64, 2), (64, 64, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w) for n, d, w in shapes]
@@ -46,6 +52,8 @@ def reduce_configs() -> list[triton.Config]:
     add, so fewer atomics meet on each output than with one tile per program."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 8, "BLOCK_D": 16, "TILES": 2}, num_warps=1)]
+    if QUICK_TUNE:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_D": 128, "TILES": 2}, num_warps=4)]
     shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (64, 64, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d, "TILES": t}, num_warps=w)
             for n, d, w in shapes for t in (1, 2, 4, 8)]

@@ -7,6 +7,9 @@ import os
 # Triton kernels run on CPU through the interpreter (read when kernels are decorated, so before
 # dejavu_compile is imported). A GPU run sets TRITON_INTERPRET=0 to test the compiled kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Compiled on a GPU, each kernel runs one config instead of an autotuning sweep (see
+# kernels/triton_common.py): the tests check results, not speed.
+os.environ.setdefault("DEJAVU_QUICK_TUNE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -167,9 +167,8 @@ def test_in_place_relayout_keeps_no_second_copy(tiny, arch):
 def test_release_tells_dynamo_and_refuses_a_stale_graph():
     """The in-place re-layout rebuilds each dict holding a changed parameter (new version tag,
     same items and order), and a pre-re-layout graph called a second time raises."""
-    from torch._dynamo.guards import dict_version
-
     from dejavu_compile.passes import lower
+    from torch._dynamo.guards import dict_version
 
     lin = torch.nn.Linear(4, 3)
     held, order = lin._parameters, list(lin._parameters)
