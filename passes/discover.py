@@ -3,9 +3,10 @@
 Attention: each ``scaled_dot_product_attention`` node (or ``dejavu::decode_attention``); its
 query, key and value are traced back to the nearest linear projections (through reshapes,
 norms, rotary embeddings and the KV cache), which must share one input; its output is traced
-forward through reshapes to the output projection. MLP: a linear whose input is ``act(linear(x))`` or ``act(linear(x)) * linear(x)``.
-Layer numbers come from the ModuleList index in the weights' source path when every block has
-one (they then survive graph breaks), otherwise from the blocks' order along the graph.
+forward through reshapes to the output projection. MLP: a linear whose input is
+``act(linear(x))`` or ``act(linear(x)) * linear(x)``. Layer numbers come from the ModuleList
+index in the weights' source path when every block has one (they then survive graph breaks),
+otherwise from the blocks' order along the graph.
 
 What is not matched stays dense; the reason is recorded for the compile report.
 """
