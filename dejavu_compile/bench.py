@@ -380,17 +380,20 @@ def weight_bytes(model) -> int:
 
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
-         "dejavu_fixed", "dejavu_topk")
+         "dejavu_fold", "dejavu_fixed", "dejavu_topk")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
-# predictors' input (lookahead or not), the selector option and the predictors' bucket size
+# predictors' input (lookahead or not), the predictors' bucket size and other backend options
 _DEJAVU_MODES = {
-    "dejavu_dense": (False, False, None, BUCKET_UNITS),
-    "dejavu_sparse": (True, False, None, BUCKET_UNITS),  # predictors inline, on their own input
+    "dejavu_dense": (False, False, BUCKET_UNITS, {}),
+    "dejavu_sparse": (True, False, BUCKET_UNITS, {}),  # predictors inline, on their own input
     # predictors one layer ahead, on a side stream
-    "dejavu_lookahead": (True, True, None, BUCKET_UNITS),
-    "dejavu_fixed": (True, False, "fixed", BUCKET_UNITS),  # fixed indices: no predictor at all
-    "dejavu_topk": (True, False, None, 0),  # one top-k over all units (cuBLAS + torch.topk)
+    "dejavu_lookahead": (True, True, BUCKET_UNITS, {}),
+    # predictors one layer ahead, each attention predictor's first layer stacked with the K and
+    # V projections that read the same input (issue 5's folding alternative)
+    "dejavu_fold": (True, True, BUCKET_UNITS, {"fold_predictors": True}),
+    "dejavu_fixed": (True, False, BUCKET_UNITS, {"selector": "fixed"}),  # no predictor at all
+    "dejavu_topk": (True, False, 0, {}),  # one top-k over all units (cuBLAS + torch.topk)
 }
 
 
@@ -417,16 +420,14 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
         yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes,
                              breakdown=breakdown)
 
-    for mode, (sparse, ahead, selector, bucket_units) in _DEJAVU_MODES.items():
+    for mode, (sparse, ahead, bucket_units, extra) in _DEJAVU_MODES.items():
         if mode not in modes:
             continue
         mlp, att = (operating_point["mlp"], operating_point["attention"]) if sparse else (1.0, 1.0)
         torch._dynamo.reset()
         profile = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml",
                                  lookahead=ahead, bucket_units=bucket_units)
-        options = {"profile": profile, "cudagraphs": True}
-        if selector:
-            options["selector"] = selector
+        options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse

@@ -54,6 +54,11 @@ class DejavuOptions:
         (``input: previous`` is the lookahead of paper section 4.3: layer l's predictor reads
         layer l-1's input and runs while layer l-1 computes, on a CUDA side stream); ``True``
         or ``False`` also require every predictor of the profile to be trained that way.
+    fold_predictors: a learned predictor whose input a dense projection also reads (the K and V
+        projections of the layer whose input a lookahead attention predictor reads, say) gets
+        its first layer folded into that projection: one GEMV reads the input for both, and the
+        selection step (``dejavu::select_hidden``) runs inline instead of on a side stream
+        (issue 5's alternative to the side stream). Needs ``fuse_linears``.
     relayout: how the down and output projections that sparse ops read get their ``[in, out]``
         row-per-unit layout: ``"in_place"`` re-lays out the parameters themselves (no second
         copy; the parameters become transposed views, Dynamo recompiles once after the first
@@ -78,6 +83,7 @@ class DejavuOptions:
     lookahead: bool | None = None
     relayout: str = DEFAULT_RELAYOUT
     fuse_linears: bool = True
+    fold_predictors: bool = False
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +98,8 @@ class DejavuOptions:
                 f"option 'attention_granularity' must be one of {GRANULARITIES}, "
                 f"got {self.attention_granularity!r}"
             )
+        if self.fold_predictors and not self.fuse_linears:
+            raise ValueError("option 'fold_predictors' needs fuse_linears=True")
         if self.relayout not in RELAYOUTS:
             raise ValueError(f"option 'relayout' must be one of {RELAYOUTS}, got {self.relayout!r}")
         if self.inner not in INNER_COMPILERS:

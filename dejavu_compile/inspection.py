@@ -121,11 +121,16 @@ def block_graph(c: Captured) -> nx.DiGraph:
     inputs = {node: key for key, node in c.ctx.inputs.items()}
     for node in _dejavu_nodes(c.gm):
         meta = node.meta.get("dejavu", {})
-        if not (is_op(node, "select_predictor") or is_op(node, "predict_ahead")) or not meta:
+        folded = is_op(node, "select_hidden")
+        if not (is_op(node, "select_predictor") or is_op(node, "predict_ahead") or folded) \
+                or not meta:
             continue
         layer, kind = meta["layer"], meta["block"]
         pred = f"L{layer}.{kind}.predictor"
-        src_layer, src_kind = inputs.get(node.args[0], (layer, kind))
+        src = node.args[0]
+        while folded and src not in inputs and isinstance(src, torch.fx.Node) and src.args:
+            src = src.args[0]  # a folded predictor: its hidden comes from a linear of the input
+        src_layer, src_kind = inputs.get(src, (layer, kind))
         lookahead = src_layer != layer
         g.add_node(pred, label=f"predictor k={meta['k']}", kind="predictor", layer=layer,
                    lookahead=lookahead)

@@ -24,6 +24,7 @@ else:
 ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 8))
 ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 5))
 ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
+ops.select_hidden.register_kernel("cuda")(predictor.select_hidden)
 ops.predict_ahead.register_kernel("cuda")(lookahead.predict_ahead)
 
 __all__ = ["HAVE_TRITON", "kv", "ops", "reference"]

@@ -52,9 +52,10 @@ def _hidden_kernel(
 
 @triton.jit
 def _bucket_kernel(
-    z_ptr, w2_ptr, b2_ptr, out_ptr,
+    z_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr,
     RANK, SIZE, KEEP,
     stride_z, stride_w2, stride_out,
+    HAS_B1: tl.constexpr, ACT: tl.constexpr,  # applied to z as loaded (a folded predictor)
     HAS_B2: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -66,7 +67,11 @@ def _bucket_kernel(
     for r0 in range(0, RANK, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < RANK
-        z = tl.load(z_ptr + row * stride_z + offs_r, mask=mask_r, other=0.0)
+        z = tl.load(z_ptr + row * stride_z + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        if HAS_B1:
+            z += tl.load(b1_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        if ACT >= 0:
+            z = tl.where(mask_r, apply_act(z, ACT), 0.0)
         w = tl.load(w2_ptr + units[:, None] * stride_w2 + offs_r[None, :],
                     mask=mask_s[:, None] & mask_r[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * z[None, :], 1)
@@ -102,7 +107,7 @@ def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buc
                             ) -> torch.Tensor:
     """The two-launch selector (module doc); ids [..., k * group], ascending."""
     check_dtype("select_predictor", x, w1, w2)
-    d, rank, units = x.shape[-1], w1.shape[0], w2.shape[0]
+    d, rank = x.shape[-1], w1.shape[0]
     if k % buckets:
         raise ValueError(f"select_predictor: {buckets} buckets must divide k ({k})")
     rows = x.reshape(-1, d)
@@ -117,14 +122,40 @@ def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buc
         rows.stride(0), w1.stride(0), z.stride(0),
         HAS_B1=b1 is not None, ACT=act_code,
     )
+    out = _rank_buckets(z, None, -1, w2, b2, k, group, buckets)
+    return out.reshape(*x.shape[:-1], k * group)
+
+
+def _rank_buckets(z, b1, act_code: int, w2, b2, k: int, group: int, buckets: int) -> torch.Tensor:
+    """The bucket launch: z [n, rank] (act(z + b1) taken as loaded when ``b1`` / ``act_code``
+    say so) -> ids [n, k * group]."""
+    n, rank = z.shape
+    units = w2.shape[0]
     size, keep = units // buckets, k // buckets
-    out = torch.empty(n, k * group, dtype=torch.int64, device=x.device)
+    out = torch.empty(n, k * group, dtype=torch.int64, device=z.device)
     block_s = max(2, triton.next_power_of_2(size))  # tl.topk needs two or more
     _bucket_kernel[(buckets, n)](
-        z, w2, b2 if b2 is not None else w2, out, rank, size, keep,
+        z, b1 if b1 is not None else w2, w2, b2 if b2 is not None else w2, out, rank, size, keep,
         z.stride(0), w2.stride(0), out.stride(0),
+        HAS_B1=b1 is not None, ACT=act_code,
         HAS_B2=b2 is not None, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_S=block_s, BLOCK_R=max(16, min(128, triton.next_power_of_2(rank), 8192 // block_s)),
         BLOCK_K=max(2, triton.next_power_of_2(keep)), num_warps=4 if block_s <= 256 else 8,
     )
-    return out.reshape(*x.shape[:-1], k * group)
+    return out
+
+
+def select_hidden_triton(h, b1, w2, b2, act: str, k: int, group: int, buckets: int
+                         ) -> torch.Tensor:
+    """The bucket launch alone, on the hidden pre-activations ``h`` [..., rank] of a folded
+    predictor (its first GEMV ran stacked with the projections that read the same input); the
+    bias and activation are applied as ``h`` is loaded. Ids [..., k * group], ascending."""
+    check_dtype("select_hidden", h, w2)
+    if k % buckets:
+        raise ValueError(f"select_hidden: {buckets} buckets must divide k ({k})")
+    rows = h.reshape(-1, h.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    act_code = -1 if act == "none" else ACT_CODES[act]
+    out = _rank_buckets(rows, b1, act_code, w2.contiguous(), b2, k, group, buckets)
+    return out.reshape(*h.shape[:-1], k * group)

@@ -75,6 +75,27 @@ def _(x, w1, b1, w2, b2, act, k, group, buckets=1):
     return _ids_like(x, k * group)
 
 
+@torch.library.custom_op(f"{_LIB}::select_hidden", mutates_args=())
+def select_hidden(
+    h: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: str,
+    k: int,
+    group: int,
+    buckets: int = 1,
+) -> torch.Tensor:
+    """``select_predictor`` after its first GEMV, which was folded into the projections that
+    read the same input (``DejavuOptions.fold_predictors``): h [..., r] -> ids [..., k * group]."""
+    return ref.select_hidden(h, b1, w2, b2, act, k, group, buckets)
+
+
+@select_hidden.register_fake
+def _(h, b1, w2, b2, act, k, group, buckets=1):
+    return _ids_like(h, k * group)
+
+
 @torch.library.custom_op(f"{_LIB}::predict_ahead", mutates_args=())
 def predict_ahead(
     x: torch.Tensor,
@@ -206,5 +227,5 @@ def _(x, idx, g, w_up, w2_t, b2, act):
 
 
 SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor, predict_ahead, select_gate,
-             select_magnitude)
+             select_magnitude, select_hidden)
 SPARSE_OPS = (sparse_mlp, sparse_head_proj, sparse_head_out, sparse_mlp_gated)

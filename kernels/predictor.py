@@ -29,7 +29,7 @@ import torch
 from .reference import activate, bucket_topk, expand_groups
 
 try:
-    from .bucket_select import bucketed, select_predictor_triton
+    from .bucket_select import bucketed, select_hidden_triton, select_predictor_triton
     from .triton_common import INTERPRET
 except ImportError:  # no Triton: the PyTorch path below
     INTERPRET = False
@@ -51,3 +51,17 @@ def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: i
     logits = torch.nn.functional.linear(z, w2, b2)
     units = expand_groups(bucket_topk(logits, k, buckets), group)
     return units.reshape(*x.shape[:-1], k * group)
+
+
+def select_hidden(h, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1) -> torch.Tensor:
+    """A folded predictor's selection from its hidden pre-activations h [..., r] (see
+    ``select_predictor``); the bucket launch alone when bucketed, else PyTorch."""
+    if (h.is_cuda or INTERPRET) and bucketed(w2.shape[0], buckets):
+        return select_hidden_triton(h, b1, w2, b2, act, k, group, buckets)
+    z = h.reshape(-1, h.shape[-1])
+    if b1 is not None:
+        z = z + b1
+    z = activate(z, act) if act != "none" else z
+    logits = torch.nn.functional.linear(z, w2, b2)
+    units = expand_groups(bucket_topk(logits, k, buckets), group)
+    return units.reshape(*h.shape[:-1], k * group)

@@ -169,7 +169,15 @@ def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: i
     x: [..., d]; w1: [r, d]; w2: [U, r] over U units (neurons, heads or head groups).
     ``act`` is "none" or an entry of ``ACTIVATIONS``. Returns ids [..., k * group].
     """
-    z = _rows(x) @ _acc(w1).t()
+    return select_hidden(_rows(x) @ _acc(w1).t(), b1, w2, b2, act, k, group, buckets
+                         ).reshape(*x.shape[:-1], k * group)
+
+
+def select_hidden(h, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1) -> torch.Tensor:
+    """The predictor after its first GEMV: ``h`` [..., r] is ``x w1^T`` (computed elsewhere,
+    stacked with projections that read the same input); logits = act(h + b1) w2^T + b2, then
+    top-``k`` per bucket. Returns ids [..., k * group], ascending per bucket."""
+    z = _acc(_rows(h))
     if b1 is not None:
         z = z + _acc(b1)
     if act != "none":
@@ -178,7 +186,7 @@ def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: i
     if b2 is not None:
         logits = logits + _acc(b2)
     units = expand_groups(bucket_topk(logits, k, buckets), group)
-    return units.reshape(*x.shape[:-1], k * group)
+    return units.reshape(*h.shape[:-1], k * group)
 
 
 def _head_rows(idx: torch.Tensor, head_dim: int, n_rows: int) -> torch.Tensor:

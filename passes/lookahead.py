@@ -10,6 +10,12 @@ at layer l-1 (for an MLP, layer l-1's normalised post-attention hidden state). T
 join are in the graph as ops, so Inductor keeps them and CUDA-graph capture records them. On
 CPU the predictor stays ``select_predictor``, in plain order.
 
+With ``DejavuOptions.fold_predictors``, a predictor whose input a dense projection also reads
+(for a lookahead attention predictor, the previous layer's K and V projections) is split
+instead (``fold``): its first layer becomes a linear beside those projections, which the lower
+pass stacks into one GEMV, and ``select_hidden`` ranks the units inline: one read of the input
+and one launch fewer, no side stream.
+
 ``DejavuOptions.lookahead`` set to True or False requires the profile's predictors to read the
 previous or their own input, and a mismatch is an error naming the layer.
 """
@@ -21,7 +27,7 @@ import torch.fx as fx
 
 from dejavu_compile.profile import ProfileError
 
-from .context import PassContext, fake_mode_of, fake_value, set_val
+from .context import PassContext, fake_mode_of, fake_value, is_linear, set_val
 
 OPS = torch.ops.dejavu
 # the op of each block kind that first uses the selection, and where its keep/slot go
@@ -57,6 +63,39 @@ def uses_side_stream(x: fx.Node) -> bool:
     return fake_value(x).device.type == "cuda"
 
 
+def _dense_readers(x: fx.Node) -> list[fx.Node]:
+    return [u for u in x.users if is_linear(u) and u.args[0] is x]
+
+
+def _has_bias(node: fx.Node) -> bool:
+    return (len(node.args) > 2 and node.args[2] is not None) or node.kwargs.get("bias") is not None
+
+
+def fold(graph: fx.Graph, node: fx.Node, fake_mode) -> bool:
+    """Split ``select_predictor(x, w1, b1, ...)`` into ``linear(x, w1[, b1])`` beside the dense
+    projections that read ``x`` (the lower pass stacks them into one GEMV) and
+    ``select_hidden`` on its output; the bias goes into the linear when the projections have
+    biases (so all of them can stack), else into ``select_hidden``. Returns False (graph
+    unchanged) when no dense projection reads ``x`` or their biases cannot be matched."""
+    x, w1, b1, w2, b2, act, k, group, *rest = node.args
+    buckets = rest[0] if rest else node.kwargs.get("buckets", 1)
+    readers = _dense_readers(x)
+    biased = {_has_bias(u) for u in readers}
+    if not readers or len(biased) != 1 or (biased == {True} and b1 is None):
+        return False
+    in_linear = biased == {True}
+    with graph.inserting_before(node):
+        h = graph.call_function(readers[0].target, (x, w1, b1) if in_linear else (x, w1))
+        set_val(h, fake_mode)
+        sel = graph.call_function(OPS.select_hidden.default,
+                                  (h, None if in_linear else b1, w2, b2, act, k, group, buckets))
+        set_val(sel, fake_mode)
+    sel.meta["dejavu"] = dict(node.meta["dejavu"], folded=True)
+    node.replace_all_uses_with(sel)
+    graph.erase_node(node)
+    return True
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     predictors = [n for n in graph.nodes if is_op(n, "select_predictor")]
@@ -69,6 +108,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         source = ctx.plan[(layer, kind)].input
         _check_option(ctx, layer, kind, source)
         if source != "previous":
+            if ctx.options.fold_predictors and fold(graph, node, fake_mode):
+                ctx.counters.add(f"folded[{kind}]")
             continue
         x = ctx.inputs.get((layer - 1, kind))
         if x is None:
@@ -85,7 +126,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         anchor.append(node)
         node.args = (x, *node.args[1:])
         meta["input_layer"] = layer - 1
-        if uses_side_stream(x):
+        if ctx.options.fold_predictors and fold(graph, node, fake_mode):
+            ctx.counters.add(f"folded[{kind}]")
+        elif uses_side_stream(x):
             _fork_join(graph, node, x, 2 * layer + (kind == "attention"), kind, fake_mode)
         ctx.counters.add(f"lookahead[{kind}]")
     graph.lint()

@@ -144,11 +144,18 @@ def stack_in_place(tensors: list[torch.Tensor]) -> None:
             start += t.shape[0]
 
 
+def _owned(node: fx.Node, value: torch.Tensor) -> bool:
+    """A model parameter (graph input) or a tensor the passes attached (a predictor's weight):
+    tensors whose storage may be re-laid out; not a user's plain tensor input."""
+    return node.op == "get_attr" or isinstance(value, torch.nn.Parameter)
+
+
 def _fusable(lins: list[Linear]) -> bool:
     first = lins[0].weight
-    params = [lin.weight for lin in lins] + [lin.bias for lin in lins if lin.bias is not None]
+    pairs = [(lin.weight_node, lin.weight) for lin in lins] + \
+        [(lin.bias_node, lin.bias) for lin in lins if lin.bias is not None]
     return (
-        all(isinstance(p, torch.nn.Parameter) for p in params)
+        all(_owned(node, value) for node, value in pairs)
         and len({id(lin.weight) for lin in lins}) == len(lins)
         and all(lin.weight.shape[1] == first.shape[1] and lin.weight.dtype == first.dtype
                 and lin.weight.device == first.device for lin in lins)

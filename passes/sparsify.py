@@ -21,6 +21,7 @@ is checked against the discovered shapes; a profile that does not fit raises ``P
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -186,9 +187,27 @@ def _predictor_nodes(gm, ctx, layer: int, kind: str, block, fake_mode) -> list[f
         if t is None:
             nodes.append(None)
             continue
-        t = t.to(device=ref.device, dtype=ref.dtype)
+        t = _on_device(ctx, prefix + name, t, ref)
         nodes.append(add_constant(gm, ctx, f"L{layer}_{kind}_{name}", t, fake_mode))
     return nodes
+
+
+# (predictor file, its mtime, tensor name, device, dtype) -> the tensor on that device, while a
+# graph holds it: every graph of a model (the recompilations too) shares one copy, and the
+# fold of predictors into stacked projections (``passes/lower.py``) finds the same tensor again
+_ON_DEVICE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _on_device(ctx: PassContext, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    path = ctx.profile.predictor_path() if ctx.profile is not None else None
+    if path is None or not path.is_file():
+        return t.to(device=like.device, dtype=like.dtype)
+    key = (str(path), path.stat().st_mtime_ns, name, str(like.device), like.dtype)
+    cached = _ON_DEVICE.get(key)
+    if cached is None or cached.shape != t.shape:
+        cached = t.to(device=like.device, dtype=like.dtype, copy=True)
+        _ON_DEVICE[key] = cached
+    return cached
 
 
 def _fixed_ids(gm, ctx, x: fx.Node, plan: BlockPlan, name: str, fake_mode) -> fx.Node:

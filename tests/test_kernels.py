@@ -157,6 +157,27 @@ def test_bucket_selector_kernel(dtype, units, k, group, buckets, act, bias, batc
     assert torch.equal(got, want)  # the same ids, in the same ascending order
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("units,k,group,buckets", [(40, 20, 1, 1), (96, 24, 1, 4), (12, 6, 3, 1)])
+@pytest.mark.parametrize("act,bias", [("relu", True), ("none", False), ("silu", True)])
+def test_folded_selector_kernel(dtype, units, k, group, buckets, act, bias):
+    """The bucket launch alone on a folded predictor's hidden pre-activations (bias and
+    activation applied as loaded) picks what the reference picks from the same hidden values,
+    and what the whole predictor picks from the input."""
+    d, rank = 37, 12
+    x = _rand(2, 1, d, dtype=dtype, seed=0)
+    w1, w2 = _rand(rank, d, dtype=dtype, seed=1), _rand(units, rank, dtype=dtype, seed=2)
+    b1 = _rand(rank, dtype=dtype, seed=3) if bias else None
+    b2 = _rand(units, dtype=dtype, seed=4) if bias else None
+    h = (x.double() @ w1.double().t()).to(dtype)  # the stacked GEMV's output, in x's dtype
+    want = ref.select_hidden(h, b1, w2, b2, act, k, group, buckets)
+    got = bucket_select.select_hidden_triton(h, b1, w2, b2, act, k, group, buckets)
+    assert got.shape == want.shape == (2, 1, k * group)
+    assert torch.equal(got, want)
+    if dtype == torch.float32:  # no rounding of h: the same as the unfolded predictor
+        assert torch.equal(got, ref.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets))
+
+
 decode_attention = pytest.importorskip("dejavu_compile.kernels.decode_attention")
 
 

@@ -125,3 +125,59 @@ def test_fixed_selector_reads_first_units(tiny):
     assert ids.tolist() == [[list(range(48))]]
     assert not [n for n in gm.graph.nodes if n.target in (OPS.select_mlp_oracle.default,
                                                           OPS.select_predictor.default)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_folded_predictors_match_the_sequential_reference(tiny, arch, tmp_path, monkeypatch):
+    """fold_predictors: each attention predictor's first layer is stacked with the K and V
+    projections that read its input (one GEMV) and ranks with ``select_hidden``, inline; the
+    MLP predictor of layer 1 (no dense projection reads its input) keeps the side stream. The
+    outputs are the sequential reference's."""
+    from dejavu_compile.passes import lookahead
+
+    monkeypatch.setattr(lookahead, "uses_side_stream", lambda x: True)
+    seen = []
+    transform = dejavu_compile.backend.transform
+
+    def recording(gm, example_inputs, options):
+        ctx = transform(gm, example_inputs, options)
+        seen.append((gm, ctx))
+        return ctx
+
+    monkeypatch.setattr(dejavu_compile.backend, "transform", recording)
+    model = tiny(arch)
+    path, tensors = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    ids = prompt()
+    with torch.no_grad():
+        want = _lookahead_reference(model, tensors, ids)
+        got = _decode_logits(torch.compile(model, backend="dejavu", options={
+            "profile": str(path), "fold_predictors": True}), ids)
+    torch.testing.assert_close(got, want, **FP32)
+    decode = [(gm, ctx) for gm, ctx in seen if ctx.discovery.tokens == 1]
+    first, last = decode[0][1].counters.values, decode[-1][1].counters.values
+    assert first["folded[attention]"] == last["folded[attention]"] == 2
+    assert "folded[mlp]" not in last
+    # after the in-place stacking, the recompiled graph reads predictor, K and V as one GEMV
+    assert first.get("fuse_pending") == 6 and last.get("fused_linears") == 6
+    gm = decode[-1][0]
+    assert sum(lookahead.is_op(n, "select_hidden") for n in gm.graph.nodes) == 2
+    assert sum(lookahead.is_op(n, "predict_ahead") for n in gm.graph.nodes) == 1
+
+
+def test_fold_keeps_a_predictor_whose_bias_cannot_stack(tiny, tmp_path):
+    """OPT's K and V projections have biases and these predictors have no first-layer bias:
+    their stacked GEMV could not add one, so the predictors are not folded (and still run)."""
+    model = tiny("opt")
+    path, _ = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    backend, graphs = _capture({"profile": str(path), "fold_predictors": True})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
+    gm, ctx = graphs[-1]
+    assert not any(key.startswith("folded") for key in ctx.counters.values)
+    assert sum(n.target is OPS.select_predictor.default for n in gm.graph.nodes) == 4
+
+
+def test_fold_needs_fused_linears():
+    with pytest.raises(ValueError, match="fold_predictors' needs fuse_linears"):
+        dejavu_compile.DejavuOptions(selector="oracle", mlp_density=0.5, fold_predictors=True,
+                                     fuse_linears=False)
