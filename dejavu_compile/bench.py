@@ -302,8 +302,11 @@ def random_profile(model, mlp_density: float, attention_density: float, rank: in
             if i == 0 or density >= 1.0:
                 blocks[kind] = BlockProfile()
                 continue
+            # the tensors of a calibrated predictor (calibrate.Predictor): both layers with biases
             tensors[f"layers.{i}.{kind}.w1"] = torch.randn(rank, ident.hidden_size, generator=gen)
+            tensors[f"layers.{i}.{kind}.b1"] = torch.randn(rank, generator=gen)
             tensors[f"layers.{i}.{kind}.w2"] = torch.randn(units, rank, generator=gen)
+            tensors[f"layers.{i}.{kind}.b2"] = torch.randn(units, generator=gen)
             blocks[kind] = BlockProfile(selector="predictor", density=density, units=units,
                                         rank=rank, activation="relu",
                                         input="previous" if lookahead else "same",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from dejavu_compile import bench, load_profile
@@ -84,3 +85,21 @@ def test_markdown_has_every_section():
     assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
     assert "GPU kernel time per decode step, m dejavu_topk" in text
     assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
+
+
+def test_fold_mode_folds_the_bench_predictors(tiny, tmp_path):
+    """The profile `dejavu bench` builds has the biases of a calibrated predictor, so in mode
+    dejavu_fold layer 1's predictors, which read layer 0's inputs, are folded into layer 0's
+    dense projections (its biased Q, K and V; its first MLP projection: layer 0 is dense)."""
+    from .conftest import prompt
+    from .test_backend import _capture, _decode_logits
+
+    model = tiny("opt")
+    profile = bench.random_profile(model, 0.5, 0.5, 8, tmp_path / "r.yaml", lookahead=True)
+    sparse, ahead, bucket_units, extra = bench._DEJAVU_MODES["dejavu_fold"]
+    assert sparse and ahead and extra == {"fold_predictors": True}
+    backend, graphs = _capture({"profile": profile, **extra})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
+    counters = graphs[-1][1].counters.values
+    assert counters.get("folded[attention]") == 1 and counters.get("folded[mlp]") == 1
