@@ -166,7 +166,7 @@ def _fusable(lins: list[Linear]) -> bool:
 
 def fuse_linears(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Replace dense linears that read the same node by one linear on their stacked weights
-    (``stacked``) and a split of its output."""
+    (``stacked_view``; ``stack_in_place`` makes them stackable) and a split of its output."""
     graph = gm.graph
     siblings: dict[fx.Node, list[Linear]] = {}
     for node in graph.nodes:
