@@ -92,8 +92,25 @@ def dejavu_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     log.info("%s", CompileReport([report]))
     compiled = _inner_compile(gm, example_inputs, opts)
     if ctx.counters.values.get("relayout_pending"):
+        ensure_recompile_budget()
         return _release_after(compiled)
     return compiled
+
+
+# Dynamo keeps at most ``recompile_limit`` graphs per code object, for every model of the same
+# class together, and past it runs the frame uncompiled: silently dense. The in-place re-layout
+# recompiles each graph of a model once, and an evaluation compiles several copies of one model
+# (dense twin, oracle, profile), so the backend raises the limit to at least this.
+RECOMPILE_LIMIT = 64
+
+
+def ensure_recompile_budget() -> None:
+    """Raise Dynamo's ``recompile_limit`` to ``RECOMPILE_LIMIT`` if it is lower (logged)."""
+    config = torch._dynamo.config
+    if config.recompile_limit < RECOMPILE_LIMIT:
+        log.info("dejavu: raising torch._dynamo.config.recompile_limit from %d to %d",
+                 config.recompile_limit, RECOMPILE_LIMIT)
+        config.recompile_limit = RECOMPILE_LIMIT
 
 
 def _release_after(compiled):
@@ -143,6 +160,7 @@ def compile(model: torch.nn.Module, **options) -> torch.nn.Module:  # noqa: A001
     """
     opts = DejavuOptions.from_mapping(options)
     register_model(model)
+    ensure_recompile_budget()
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.disable_compile = True

@@ -81,11 +81,17 @@ def evaluate_profile(model, chunks: list[torch.Tensor], profile, prefix: int = D
     import dejavu_compile
 
     dense = score_decode(model, chunks, prefix, progress)
-    oracle_model = _compiled_copy(model, profile=profile, selector="oracle")
-    oracle = score_decode(oracle_model, chunks, prefix, progress)
-    sparse_model = _compiled_copy(model, profile=profile)
-    sparse = score_decode(sparse_model, chunks, prefix, progress)
+    # Past Dynamo's recompile limit a frame would run uncompiled, that is dense, and the scores
+    # would be dense ones under the sparse names: make that an error instead.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        oracle_model = _compiled_copy(model, profile=profile, selector="oracle")
+        oracle = score_decode(oracle_model, chunks, prefix, progress)
+        sparse_model = _compiled_copy(model, profile=profile)
+        sparse = score_decode(sparse_model, chunks, prefix, progress)
     rep = dejavu_compile.report(sparse_model)
+    if not any(g.decode for g in rep.graphs):
+        raise RuntimeError("dejavu eval: no decode step of the profiled model was compiled, so "
+                           "its scores would be dense ones")
     return {
         "tokens": int(dense.nll.numel()),
         "dense_ppl": dense.perplexity,
