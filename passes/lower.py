@@ -51,20 +51,27 @@ _PENDING_STACKS: list[list[torch.Tensor]] = []
 
 
 def _touch_holders(params) -> None:
-    """Rebuild in place (same items, same order) every plain dict that holds one of ``params``
-    as a value, such as the ``_parameters`` dict of each module that owns it. Dynamo trusts the
-    tensors held in a dict whose version tag is unchanged and skips their guards
-    (``skip_tensor_guards_with_matching_dict_tags``); the rebuilt dict has a new tag, so Dynamo
-    checks the tensors, sees the new strides and recompiles. Without this, torch 2.11 under CUDA
-    graphs reran the old graph on the re-laid-out weights (a stride assertion)."""
+    """Tell Dynamo that ``params`` changed. Dynamo trusts the tensors held in a dict whose
+    version tag is unchanged and skips their guards (``skip_tensor_guards_with_matching_dict_tags``):
+    torch 2.11 under CUDA graphs then reran the old graph on the re-laid-out weights (a stride
+    assertion). So every plain dict that holds one of ``params`` is rebuilt in place (same items,
+    same order, a new tag), and a module's ``_parameters`` dict is also replaced by a new dict
+    object in the module (the form that made the H200 run at commit 2dc3667 recompile)."""
     ids = {id(p) for p in params}
     if not ids:
         return
-    for holder in gc.get_referrers(*params):
-        if type(holder) is dict and any(id(v) in ids for v in holder.values()):
-            items = list(holder.items())
-            holder.clear()
-            holder.update(items)
+    holders = [h for h in gc.get_referrers(*params)
+               if type(h) is dict and any(id(v) in ids for v in h.values())]
+    for holder in holders:
+        items = list(holder.items())
+        holder.clear()
+        holder.update(items)
+    if not holders:
+        return
+    held = {id(h) for h in holders}
+    for owner in gc.get_referrers(*holders):  # the __dict__ of each module holding one
+        if type(owner) is dict and id(owner.get("_parameters")) in held:
+            owner["_parameters"] = dict(owner["_parameters"])
 
 
 DEJAVU_NAMESPACE = "dejavu"

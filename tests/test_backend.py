@@ -180,9 +180,13 @@ def test_release_tells_dynamo_and_refuses_a_stale_graph():
 
     lin = torch.nn.Linear(4, 3)
     held, order = lin._parameters, list(lin._parameters)
-    before = dict_version(held)
+    other = {"w": lin.weight}  # any other dict holding the parameter
+    before, other_before = dict_version(held), dict_version(other)
     lower._touch_holders([lin.weight])
-    assert dict_version(held) != before and list(held) == order and held is lin._parameters
+    assert dict_version(held) != before and dict_version(other) != other_before
+    # the module holds a new _parameters dict, with the same items in the same order
+    assert lin._parameters is not held and list(lin._parameters) == order
+    assert lin._parameters["weight"] is lin.weight and other["w"] is lin.weight
     run = dejavu_compile.backend._release_after(lambda *args: sum(args))
     assert run(1, 2) == 3
     with pytest.raises(RuntimeError, match="did not recompile"):
