@@ -164,12 +164,13 @@ def test_in_place_relayout_keeps_no_second_copy(tiny, arch):
     torch.testing.assert_close(got, masked, **FP32)
 
 
-def test_compile_leaves_room_for_the_relayout_recompiles(tiny, monkeypatch):
+def test_compile_leaves_room_for_the_relayout_recompiles(tiny):
     """Past Dynamo's recompile limit a frame runs uncompiled (dense): the API raises the limit,
     which the in-place re-layout's one recompile per graph and evaluation twins need."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    dejavu_compile.compile(tiny("llama"), selector="oracle", mlp_density=0.5)
-    assert torch._dynamo.config.recompile_limit == dejavu_compile.backend.RECOMPILE_LIMIT
+    with torch._dynamo.config.patch(recompile_limit=8):
+        dejavu_compile.compile(tiny("llama"), selector="oracle", mlp_density=0.5)
+        assert torch._dynamo.config.recompile_limit == dejavu_compile.backend.RECOMPILE_LIMIT
+    assert torch._dynamo.config.recompile_limit >= 8  # restored, and still readable
 
 
 def test_release_tells_dynamo_and_refuses_a_stale_graph():
