@@ -158,11 +158,9 @@ def select(cache, policy: str, keep: float, scores: dict | None = None) -> Selec
         if policy in SCORED:
             if scores is None or i not in scores:
                 raise ValueError(f"{policy} KV selection has no scores for layer {i}")
-            if policy == "shared":
-                idx = torch.ops.dejavu.kv_select(scores[i].sum(1, keepdim=True), b, SINKS,
-                                                 WINDOW, SHARED_SMOOTH)
-            else:
-                idx = torch.ops.dejavu.kv_select(scores[i], b, SINKS, WINDOW, SMOOTH)
+            layer_scores, smooth = ((scores[i].sum(1, keepdim=True), SHARED_SMOOTH)
+                                    if policy == "shared" else (scores[i], SMOOTH))
+            idx = torch.ops.dejavu.kv_select(layer_scores, b, SINKS, WINDOW, smooth)
             idx = idx.expand(batch, kvh, idx.shape[-1])
         else:
             recent = torch.arange(t - (b - SINKS), t, device=keys.device)

@@ -103,24 +103,32 @@ def bucketed(units: int, buckets: int) -> bool:
     return units % buckets == 0 and units // buckets <= MAX_BUCKET
 
 
+def _act_code(act: str) -> int:
+    """The kernels' activation code; -1 for none."""
+    return -1 if act == "none" else ACT_CODES[act]
+
+
+def _rows(name: str, t: torch.Tensor, k: int, buckets: int) -> torch.Tensor:
+    """``t`` [..., f] as rows [n, f] with contiguous features, after checking ``buckets``
+    divides ``k``."""
+    if k % buckets:
+        raise ValueError(f"{name}: {buckets} buckets must divide k ({k})")
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int
                             ) -> torch.Tensor:
     """The two-launch selector (module doc); ids [..., k * group], ascending."""
     check_dtype("select_predictor", x, w1, w2)
-    d, rank = x.shape[-1], w1.shape[0]
-    if k % buckets:
-        raise ValueError(f"select_predictor: {buckets} buckets must divide k ({k})")
-    rows = x.reshape(-1, d)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows("select_predictor", x, k, buckets)
+    (n, d), rank = rows.shape, w1.shape[0]
     w1, w2 = w1.contiguous(), w2.contiguous()
-    n = rows.shape[0]
     z = torch.empty(n, rank, dtype=torch.float32, device=x.device)
-    act_code = -1 if act == "none" else ACT_CODES[act]
     _hidden_kernel[lambda meta: (triton.cdiv(rank, meta["BLOCK_H"]), n)](
         rows, w1, b1 if b1 is not None else w1, z, d, rank,
         rows.stride(0), w1.stride(0), z.stride(0),
-        HAS_B1=b1 is not None, ACT=act_code,
+        HAS_B1=b1 is not None, ACT=_act_code(act),
     )
     out = _rank_buckets(z, None, -1, w2, b2, k, group, buckets)
     return out.reshape(*x.shape[:-1], k * group)
@@ -151,11 +159,6 @@ def select_hidden_triton(h, b1, w2, b2, act: str, k: int, group: int, buckets: i
     predictor (its first GEMV ran stacked with the projections that read the same input); the
     bias and activation are applied as ``h`` is loaded. Ids [..., k * group], ascending."""
     check_dtype("select_hidden", h, w2)
-    if k % buckets:
-        raise ValueError(f"select_hidden: {buckets} buckets must divide k ({k})")
-    rows = h.reshape(-1, h.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    act_code = -1 if act == "none" else ACT_CODES[act]
-    out = _rank_buckets(rows, b1, act_code, w2.contiguous(), b2, k, group, buckets)
+    rows = _rows("select_hidden", h, k, buckets)
+    out = _rank_buckets(rows, b1, _act_code(act), w2.contiguous(), b2, k, group, buckets)
     return out.reshape(*h.shape[:-1], k * group)

@@ -1,10 +1,8 @@
 """Decode attention split over the keys (flash-decoding): one new query token per sequence
 against a KV cache of any length, grouped-query heads read once per KV head.
 
-With one query token, PyTorch's flash kernel runs one program per (batch, head) and streams
-the whole cache through it: at 128K tokens the H200 read the cache at about 0.36 TB/s of its
-4.3 (BENCHMARKS.md). Here the cache of each KV head is cut into ``splits`` chunks, so
-``batch * kv_heads * splits`` programs run at once:
+The cache of each KV head is cut into ``splits`` chunks, so ``batch * kv_heads * splits``
+programs run at once (the cache of one head is too long a stream for one program):
 
 1. ``_split_kernel``: program (batch * kv head, chunk) loads the group's query heads (padded to
    16 rows, so the products are tensor-core dots) and walks its chunk of keys and values in
@@ -21,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv import check_decode
 from .triton_common import INTERPRET, QUICK_TUNE, check_dtype
 
 # Chunks are a multiple of CHUNK_UNIT keys, so every autotuned block size divides them.
@@ -148,11 +147,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     mask: None or bool [B, L] (True: attend); returns [B, H, 1, D] in q's dtype.
     """
     check_dtype("decode_attention", q, k, v)
-    b, h, t, d = q.shape
+    check_decode(q, k, v, mask)  # the op's checks: its CUDA kernel replaces its body
+    b, h, _, d = q.shape
     kvh, length = k.shape[1], k.shape[2]
-    if t != 1 or h % kvh or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} must be [B, H, 1, D] with H a "
-                         f"multiple of the KV heads of k {tuple(k.shape)} and v {tuple(v.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention: the head dimension must be contiguous")
     g = h // kvh
@@ -164,7 +161,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     if mask is not None:
-        mask = mask.to(torch.uint8) if mask.stride(-1) == 1 else mask.to(torch.uint8).contiguous()
+        mask = mask.to(torch.uint8).contiguous()
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
         length, triton.next_power_of_2(length), g, d, kvh, chunk, scale,

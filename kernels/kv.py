@@ -40,11 +40,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     head: q [B, H, 1, D], k / v [B, KVH, L, D], mask None or bool [B, L] (True: attend) ->
     [B, H, 1, D]. On CUDA the split-K Triton kernel of ``kernels/decode_attention.py``; every
     mode of ``dejavu bench --kv`` reads its cache through it."""
-    _check_decode(q, k, v, mask)
+    check_decode(q, k, v, mask)
     return ref.decode_attention(q, k, v, scale, mask)
 
 
-def _check_decode(q, k, v, mask) -> None:
+def check_decode(q, k, v, mask) -> None:
     if q.dim() != 4 or q.shape[2] != 1 or k.shape[:3] != v.shape[:3] \
             or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} must be [B, H, 1, D] with H a "
@@ -56,5 +56,5 @@ def _check_decode(q, k, v, mask) -> None:
 
 @decode_attention.register_fake
 def _(q, k, v, scale, mask=None):
-    _check_decode(q, k, v, mask)
+    check_decode(q, k, v, mask)
     return torch.empty_like(q)

@@ -43,14 +43,8 @@ def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: i
     """x: [..., d]; w1: [r, d]; w2: [U, r]; returns unit ids [..., k * group], ascending."""
     if (x.is_cuda or INTERPRET) and bucketed(w2.shape[0], buckets):
         return select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
-    z = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w1, b1)
-    if act == "relu":
-        z = z.relu_()
-    elif act != "none":
-        z = activate(z, act)
-    logits = torch.nn.functional.linear(z, w2, b2)
-    units = expand_groups(bucket_topk(logits, k, buckets), group)
-    return units.reshape(*x.shape[:-1], k * group)
+    h = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w1, b1)
+    return _rank(h, None, w2, b2, act, k, group, buckets).reshape(*x.shape[:-1], k * group)
 
 
 def select_hidden(h, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1) -> torch.Tensor:
@@ -58,10 +52,15 @@ def select_hidden(h, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1)
     ``select_predictor``); the bucket launch alone when bucketed, else PyTorch."""
     if (h.is_cuda or INTERPRET) and bucketed(w2.shape[0], buckets):
         return select_hidden_triton(h, b1, w2, b2, act, k, group, buckets)
-    z = h.reshape(-1, h.shape[-1])
-    if b1 is not None:
-        z = z + b1
-    z = activate(z, act) if act != "none" else z
+    return _rank(h.reshape(-1, h.shape[-1]), b1, w2, b2, act, k, group, buckets
+                 ).reshape(*h.shape[:-1], k * group)
+
+
+def _rank(h, b1, w2, b2, act: str, k: int, group: int, buckets: int) -> torch.Tensor:
+    """The PyTorch path after the first GEMV: act(h + b1) w2^T + b2 over rows h [n, r], top-k
+    per bucket (sorted), expanded to groups: ids [n, k * group]."""
+    z = h + b1 if b1 is not None else h
+    if act != "none":  # out of place: ``h`` may be the op's input
+        z = activate(z, act)
     logits = torch.nn.functional.linear(z, w2, b2)
-    units = expand_groups(bucket_topk(logits, k, buckets), group)
-    return units.reshape(*h.shape[:-1], k * group)
+    return expand_groups(bucket_topk(logits, k, buckets), group)

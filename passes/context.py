@@ -22,6 +22,19 @@ def is_linear(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS
 
 
+def is_op(node: Any, name: str) -> bool:
+    """Whether ``node`` calls ``torch.ops.dejavu.<name>``, by name: OpOverload objects looked up
+    at import time are not always the ones a later lookup returns, and Dynamo's graphs record
+    the op packet (``torch.ops.dejavu.<name>``) where later passes insert its overload."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    qualified = getattr(node.target, "_qualified_op_name", None)
+    if qualified is None:
+        schema = getattr(node.target, "_schema", None)
+        qualified = schema.name if schema is not None else None
+    return qualified == f"dejavu::{name}"
+
+
 @dataclass
 class Linear:
     """A matched linear node with the real weight (``[out, in]``) and bias behind it."""

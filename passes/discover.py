@@ -20,25 +20,18 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .context import Linear, PassContext, fake_value, is_linear, layer_hint, parameter_name
+from .context import Linear, PassContext, fake_value, is_linear, is_op, layer_hint, parameter_name
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
-# attention ops with SDPA's leading (query, key, value) arguments
-ATTENTION_OPS = ("dejavu::decode_attention",)
 
 
 def is_attention(node: fx.Node) -> bool:
-    """An SDPA call, or ``dejavu::decode_attention`` (``kv.use_decode_attention``)."""
-    if node.op != "call_function":
-        return False
-    if node.target in SDPA_TARGETS:
-        return True
-    # Dynamo records ``torch.ops.dejavu.decode_attention`` (the packet), later passes the overload
-    name = getattr(node.target, "_qualified_op_name", None)
-    if name is None:
-        schema = getattr(node.target, "_schema", None)
-        name = schema.name if schema is not None else None
-    return name in ATTENTION_OPS
+    """An SDPA call, or ``dejavu::decode_attention`` (``kv.use_decode_attention``), which takes
+    SDPA's leading (query, key, value) arguments."""
+    return (node.op == "call_function" and node.target in SDPA_TARGETS) \
+        or is_op(node, "decode_attention")
+
+
 # Ops that only move or re-view the heads between attention and the output projection.
 VIEW_METHODS = {"transpose", "reshape", "view", "contiguous", "permute", "flatten"}
 VIEW_FUNCTIONS = {torch.transpose, torch.reshape, torch.flatten, torch.permute}

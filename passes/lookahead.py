@@ -27,18 +27,11 @@ import torch.fx as fx
 
 from dejavu_compile.profile import ProfileError
 
-from .context import PassContext, fake_mode_of, fake_value, is_linear, set_val
+from .context import PassContext, fake_mode_of, fake_value, is_linear, is_op, set_val
 
 OPS = torch.ops.dejavu
 # the op of each block kind that first uses the selection, and where its keep/slot go
 FIRST_CONSUMER = {"mlp": ("sparse_mlp", 8), "attention": ("sparse_head_proj", 5)}
-
-
-def is_op(node: fx.Node, name: str) -> bool:
-    """Whether ``node`` calls ``torch.ops.dejavu.<name>`` (by schema name: OpOverload objects
-    looked up at import time are not always the ones a later lookup returns)."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and schema.name == f"dejavu::{name}"
 
 
 def _check_option(ctx: PassContext, layer: int, kind: str, source: str) -> None:
@@ -96,6 +89,14 @@ def fold(graph: fx.Graph, node: fx.Node, fake_mode) -> bool:
     return True
 
 
+def _fold_if_asked(ctx: PassContext, graph: fx.Graph, node: fx.Node, kind: str, fake_mode) -> bool:
+    """``fold`` the predictor when ``fold_predictors`` is on (counted); whether it was folded."""
+    if not (ctx.options.fold_predictors and fold(graph, node, fake_mode)):
+        return False
+    ctx.counters.add(f"folded[{kind}]")
+    return True
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     predictors = [n for n in graph.nodes if is_op(n, "select_predictor")]
@@ -108,8 +109,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         source = ctx.plan[(layer, kind)].input
         _check_option(ctx, layer, kind, source)
         if source != "previous":
-            if ctx.options.fold_predictors and fold(graph, node, fake_mode):
-                ctx.counters.add(f"folded[{kind}]")
+            _fold_if_asked(ctx, graph, node, kind, fake_mode)
             continue
         x = ctx.inputs.get((layer - 1, kind))
         if x is None:
@@ -126,9 +126,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         anchor.append(node)
         node.args = (x, *node.args[1:])
         meta["input_layer"] = layer - 1
-        if ctx.options.fold_predictors and fold(graph, node, fake_mode):
-            ctx.counters.add(f"folded[{kind}]")
-        elif uses_side_stream(x):
+        if not _fold_if_asked(ctx, graph, node, kind, fake_mode) and uses_side_stream(x):
             _fork_join(graph, node, x, 2 * layer + (kind == "attention"), kind, fake_mode)
         ctx.counters.add(f"lookahead[{kind}]")
     graph.lint()
