@@ -442,6 +442,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
 
 KV_CONTEXTS = (2048, 8192, 16384, 32768, 65536, 131072)
 KV_MODEL = "llama-3-8b"
+KV_ROUNDS = 3  # each mode's step measured this many times per context, in turn with the others
 
 
 @functools.cache
@@ -520,14 +521,17 @@ KV_ATTENTION = ("dejavu", "sdpa")
 
 @torch.no_grad()
 def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: int = 20,
-             rank: int = 128, workdir=None, attention: str = KV_ATTENTION[0]) -> dict:
+             rank: int = 128, workdir=None, attention: str = KV_ATTENTION[0],
+             rounds: int = KV_ROUNDS) -> dict:
     """Decode-step latency from 2K to 128K context for dense, projection sparsity (the
     operating point), KV selection (``kv_keep`` of the context) and both; every mode reads its
     cache through the same attention kernel: ``attention="dejavu"`` the split-K
     ``dejavu::decode_attention`` (``kv.use_decode_attention``), ``"sdpa"`` PyTorch's SDPA (no
-    mask: its flash kernel, one program per head). Returns the times, the
-    bytes of each mode and the fixed cost of each (measured time minus bytes at copy bandwidth,
-    at the shortest context), with the byte crossover and the cost-aware predicted crossing."""
+    mask: its flash kernel, one program per head). The dense and projection pipelines are two
+    compiled copies of one random model (the projection pipeline re-lays out its weights in
+    place), so at each context the four modes are measured in turn, ``rounds`` times, and each
+    keeps its median: drift of the GPU over the sweep does not land on one mode. Returns the
+    times, the bytes of each mode and the fixed cost of each (see ``analyse_kv``)."""
     import tempfile
     from pathlib import Path
 
@@ -539,36 +543,50 @@ def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: 
     point = OPERATING_POINTS[name]
     if attention not in KV_ATTENTION:
         raise ValueError(f"attention must be one of {KV_ATTENTION}, got {attention!r}")
-    model = random_model(cfg)
-    dejavu_compile.backend.register_model(model)
-    if attention == "dejavu":
-        from .kv import use_decode_attention
-
-        use_decode_attention(model)
+    torch._dynamo.reset()
     shape = ModelBytes.from_config(cfg, name)  # fp16, as random_model builds it
     kv_per_token = shape.kv_bytes_per_token * shape.num_layers
-    rows, weights = [], {}
+    pipelines = {}
     for pipeline, (mlp, att) in (("dense", (1.0, 1.0)), ("projection", (point["mlp"],
                                                                           point["attention"]))):
-        torch._dynamo.reset()
+        model = random_model(cfg)
+        dejavu_compile.backend.register_model(model)
+        if attention == "dejavu":
+            from .kv import use_decode_attention
+
+            use_decode_attention(model)
         profile = random_profile(model, mlp, att, rank, workdir / f"{name}-kv-{pipeline}.yaml")
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "cudagraphs": True})
-        for n in contexts:
-            for mode, length in ((pipeline, n), ("kv" if pipeline == "dense" else "both",
-                                                 max(2, round(kv_keep * n)))):
+        pipelines[pipeline] = (model, fwd)
+    # (mode, pipeline, cache tokens at context n)
+    modes = (("dense", "dense", lambda n: n), ("kv", "dense", lambda n: max(2, round(kv_keep * n))),
+             ("projection", "projection", lambda n: n),
+             ("both", "projection", lambda n: max(2, round(kv_keep * n))))
+    rows, weights, out_of_memory = [], {}, set()
+    for n in contexts:
+        times = {}
+        for _ in range(rounds):
+            for mode, pipeline, length in modes:
+                if (mode, n) in out_of_memory:
+                    continue
+                model, fwd = pipelines[pipeline]
                 try:
-                    ms = _step_ms(model, fwd, length, steps)
+                    times.setdefault(mode, []).append(_step_ms(model, fwd, length(n), steps))
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
+                    out_of_memory.add((mode, n))
+                    times.pop(mode, None)
                     continue
                 if pipeline not in weights:
-                    rep = dejavu_compile.report(model)
-                    weights[pipeline] = rep.bytes_sparse
-                rows.append({"context": n, "mode": mode, "cache_tokens": length, "ms": ms,
-                             "bytes": weights[pipeline] + kv_per_token * length})
+                    weights[pipeline] = dejavu_compile.report(model).bytes_sparse
+        for mode, pipeline, length in modes:
+            if mode in times:
+                rows.append({"context": n, "mode": mode, "cache_tokens": length(n),
+                             "ms": statistics.median(times[mode]), "rounds": times[mode],
+                             "bytes": weights[pipeline] + kv_per_token * length(n)})
                 print(json.dumps({"model": name, **rows[-1]}), flush=True)
-    del model
+    del pipelines, model, fwd
     gc.collect()
     torch.cuda.empty_cache()
     return {"model": name, "kv_keep": kv_keep, "operating_point": point, "rows": rows,
@@ -576,15 +594,18 @@ def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: 
 
 
 def analyse_kv(sweep: dict, bandwidth: float) -> dict:
-    """Fixed costs per mode (time minus bytes at ``bandwidth``, at the shortest context), the
-    byte crossover of projection and KV, the crossing the account predicts with those costs,
-    and the measured crossing (linear interpolation of the time difference)."""
+    """Fixed costs per mode (time minus bytes at ``bandwidth``: the median over the contexts, so
+    one noisy point does not set it; the cost of a compiled step does not grow with its cache
+    when attention reads at copy bandwidth), the byte crossover of projection and KV, the
+    crossing the account predicts with those costs, and the measured crossing (linear
+    interpolation of the time difference)."""
     rows = sweep["rows"]
     ms = {(r["mode"], r["context"]): r["ms"] for r in rows}
     contexts = sorted({r["context"] for r in rows})
-    first = contexts[0]
-    costs = {r["mode"]: r["ms"] - r["bytes"] / bandwidth * 1e3 for r in rows
-             if r["context"] == first}
+    residuals = {}
+    for r in rows:
+        residuals.setdefault(r["mode"], []).append(r["ms"] - r["bytes"] / bandwidth * 1e3)
+    costs = {mode: statistics.median(v) for mode, v in residuals.items()}
     kv, keep, w = sweep["kv_bytes_per_token"], sweep["kv_keep"], sweep["weights"]
     saved = w.get("dense", 0) - w.get("projection", 0)
     byte_cross = saved / ((1 - keep) * kv) if kv else None
@@ -728,7 +749,7 @@ def _kv_markdown(kv: dict) -> list[str]:
         return "none" if v is None else f"{v:,.0f}"
 
     costs = ", ".join(f"{m} {c:.2f} ms" for m, c in kv["costs_ms"].items())
-    lines += ["", f"Fixed costs (time minus bytes at copy bandwidth, at the shortest context): "
+    lines += ["", f"Fixed costs (time minus bytes at copy bandwidth, median over the contexts): "
               f"{costs}. Byte crossover {tokens(kv['byte_crossover'])} tokens; predicted with "
               f"costs {tokens(kv['predicted_crossing'])}; measured "
               f"{tokens(kv['measured_crossing'])}.", ""]

@@ -4,7 +4,8 @@ computed for the selected heads only.
 A selection names heads; head ``h`` owns weight rows ``h * head_dim .. (h + 1) * head_dim - 1``
 of ``W_q`` ([H * head_dim, d]) and of the transposed output projection ``W_o_t``
 ([H * head_dim, d_out]), each row contiguous. Both kernels run a 2-d grid of tiles (selected
-rows x a slice of the other dimension) and add partial sums into fp32 with atomics.
+rows x a slice of the other dimension) and add partial sums into fp32 with atomics (in
+deterministic mode, each program into its own slot, summed afterwards in order).
 References: ``kernels/reference.py::sparse_head_proj`` and ``sparse_head_out``.
 """
 
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_dtype, finish, reduce_configs, tile_configs
+from . import triton_common as tc
+from .triton_common import add_partial, reduce_configs, tile_configs
 
 
 @triton.jit
@@ -29,8 +31,8 @@ def _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask):
 def _head_proj_kernel(
     x_ptr, idx_ptr, w_ptr, b_ptr, out_ptr,
     D, J, HEAD_DIM,
-    stride_x, stride_idx, stride_w, stride_out,
-    HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_x, stride_idx, stride_w, stride_out, stride_part,
+    HAS_B: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid, pid_d, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,7 +47,7 @@ def _head_proj_kernel(
     if HAS_B:
         bias = tl.load(b_ptr + wrows, mask=mask & (pid_d == 0), other=0.0).to(tl.float32)
         acc += bias
-    tl.atomic_add(out_ptr + row * stride_out + wrows, acc, mask=mask)
+    add_partial(out_ptr + pid_d * stride_part + row * stride_out + wrows, acc, mask, ATOMIC)
 
 
 # column stride in the key: see sparse_mlp._down_kernel
@@ -54,8 +56,8 @@ def _head_proj_kernel(
 def _head_out_kernel(
     a_ptr, idx_ptr, w_ptr, out_ptr,
     DOUT, J, HEAD_DIM,
-    stride_a, stride_idx, stride_wn, stride_wo, stride_out,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+    stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_part,
+    ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
 ):
     pid, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -69,39 +71,56 @@ def _head_out_kernel(
         w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
                     mask=mask[:, None] & mask_o[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * vals[:, None], 0)
-    tl.atomic_add(out_ptr + row * stride_out + offs_o, acc, mask=mask_o)
+    add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
+def _partials(det: bool, splits: int, n_rows: int, n: int, device, zero: bool) -> torch.Tensor:
+    """[S, R, n] fp32 targets of partial sums: one zeroed slot the atomics add into, or in
+    deterministic mode ``splits`` slots, one per program along the kernel's split."""
+    if not det:
+        return torch.zeros(1, n_rows, n, device=device, dtype=torch.float32)
+    return (torch.zeros if zero else torch.empty)(splits, n_rows, n, device=device,
+                                                   dtype=torch.float32)
+
+
 def sparse_head_proj(x, idx, w, b, head_dim: int) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_proj``: [..., d] -> [..., H * head_dim]."""
-    check_dtype("sparse_head_proj", x, w, b)
+    tc.check_dtype("sparse_head_proj", x, w, b)
     rows, sel = _rows(x), _rows(idx)
     j, d = sel.shape[1] * head_dim, rows.shape[1]
-    out = torch.zeros(rows.shape[0], w.shape[0], device=x.device, dtype=torch.float32)
-    _head_proj_kernel[lambda m: (triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]),
-                                 rows.shape[0])](
-        rows, sel, w, b if b is not None else w, out,
-        d, j, head_dim,
-        rows.stride(0), sel.stride(0), w.stride(0), out.stride(0),
-        HAS_B=b is not None,
-    )
-    return finish(out, None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    det = tc.deterministic()
+    # the rows of unselected heads stay zero
+    parts = _partials(det, triton.cdiv(d, tc.TILE_FIXED["BLOCK_D"]), rows.shape[0], w.shape[0],
+                      x.device, zero=True)
+    tc.launch(_head_proj_kernel,
+              lambda m: (triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]), rows.shape[0]),
+              rows, sel, w, b if b is not None else w, parts[0],
+              d, j, head_dim,
+              rows.stride(0), sel.stride(0), w.stride(0), parts.stride(1),
+              parts.stride(0) if det else 0,
+              HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_FIXED if det else None)
+    out = parts.sum(0) if det else parts[0]
+    return tc.finish(out, None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d]."""
-    check_dtype("sparse_head_out", attn, wo_t, b)
+    tc.check_dtype("sparse_head_out", attn, wo_t, b)
     rows, sel = _rows(attn), _rows(idx)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
-    out = torch.zeros(rows.shape[0], d_out, device=attn.device, dtype=torch.float32)
-    _head_out_kernel[lambda m: (triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
-                                triton.cdiv(d_out, m["BLOCK_D"]), rows.shape[0])](
-        rows, sel, wo_t, out,
-        d_out, j, head_dim,
-        rows.stride(0), sel.stride(0), wo_t.stride(0), wo_t.stride(1), out.stride(0),
-    )
-    return finish(out, b, attn.dtype).reshape(*attn.shape[:-1], d_out)
+    det = tc.deterministic()
+    splits = triton.cdiv(j, tc.REDUCE_FIXED["BLOCK_N"] * tc.REDUCE_FIXED["TILES"])
+    parts = _partials(det, splits, rows.shape[0], d_out, attn.device, zero=False)
+    tc.launch(_head_out_kernel, lambda m: (triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
+                                           triton.cdiv(d_out, m["BLOCK_D"]), rows.shape[0]),
+              rows, sel, wo_t, parts[0],
+              d_out, j, head_dim,
+              rows.stride(0), sel.stride(0), wo_t.stride(0), wo_t.stride(1), parts.stride(1),
+              parts.stride(0) if det else 0,
+              ATOMIC=not det, fixed=tc.REDUCE_FIXED if det else None)
+    out = parts.sum(0) if det else parts[0]
+    return tc.finish(out, b, attn.dtype).reshape(*attn.shape[:-1], d_out)

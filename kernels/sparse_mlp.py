@@ -13,6 +13,8 @@ BENCHMARKS.md):
    (autotuned) neuron tiles in registers, so fewer atomics meet on each output.
 
 Weights are never copied: the gather is fused into the matrix-vector products (section 4.4).
+Under ``torch.use_deterministic_algorithms(True)`` each program stores its partial sums in its
+own slot and one ordered sum adds them (``triton_common.deterministic``): bitwise reproducible.
 Reference: ``kernels/reference.py::sparse_mlp``.
 """
 
@@ -22,7 +24,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import ACT_CODES, apply_act, check_dtype, finish, reduce_configs, tile_configs
+from .triton_common import (
+    ACT_CODES,
+    REDUCE_FIXED,
+    TILE_FIXED,
+    add_partial,
+    apply_act,
+    check_dtype,
+    deterministic,
+    finish,
+    launch,
+    reduce_configs,
+    tile_configs,
+)
 
 
 @triton.autotune(configs=tile_configs(), key=["D", "K"], reset_to_zero=["pre_ptr", "up_out_ptr"])
@@ -34,8 +48,10 @@ def _up_kernel(
     D, K,
     # strides (rows; columns are contiguous)
     stride_x, stride_idx, stride_w1, stride_wup, stride_pre,
+    # between the slots of partial sums (deterministic mode, ATOMIC false; a slot per pid_d)
+    stride_part,
     # meta-parameters
-    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GATED: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n, pid_d, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -46,12 +62,11 @@ def _up_kernel(
     tile = mask_n[:, None] & mask_d[None, :]
     x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
-    tl.atomic_add(pre_ptr + row * stride_pre + offs_n, tl.sum(w.to(tl.float32) * x[None, :], 1),
-                  mask=mask_n)
+    out = pid_d * stride_part + row * stride_pre + offs_n
+    add_partial(pre_ptr + out, tl.sum(w.to(tl.float32) * x[None, :], 1), mask_n, ATOMIC)
     if GATED:
         u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile, other=0.0)
-        tl.atomic_add(up_out_ptr + row * stride_pre + offs_n,
-                      tl.sum(u.to(tl.float32) * x[None, :], 1), mask=mask_n)
+        add_partial(up_out_ptr + out, tl.sum(u.to(tl.float32) * x[None, :], 1), mask_n, ATOMIC)
 
 
 # the weight's column stride is in the key: a transposed view (the one call before the in-place
@@ -66,8 +81,10 @@ def _down_kernel(
     DOUT, K,
     # strides (``W2_t`` may be any view: a row per neuron is fastest, see the lower pass)
     stride_pre, stride_idx, stride_w2n, stride_w2o, stride_out,
+    # between the slots of partial sums (deterministic mode, ATOMIC false; a slot per pid_n)
+    stride_part,
     # meta-parameters
-    ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
 ):
     pid_n, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -88,7 +105,47 @@ def _down_kernel(
         w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
                      mask=mask_n[:, None] & mask_o[None, :], other=0.0)
         acc += tl.sum(w2.to(tl.float32) * h[:, None], 0)
-    tl.atomic_add(out_ptr + row * stride_out + offs_o, acc, mask=mask_o)
+    add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
+
+
+def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device,
+             zero_pre: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 targets of the partial sums, pre-activations [S, n_pre, R, k] and output
+    [S', R, d_out]: with atomics one slot each (S = S' = 1), both in one zeroed buffer (one
+    launch); in deterministic mode a slot per program along each kernel's split."""
+    if not det:
+        buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=device, dtype=torch.float32)
+        return (buf[: n_pre * n_rows * k].view(1, n_pre, n_rows, k),
+                buf[n_pre * n_rows * k:].view(1, n_rows, d_out))
+    s_up = triton.cdiv(d, TILE_FIXED["BLOCK_D"])
+    s_down = triton.cdiv(k, REDUCE_FIXED["BLOCK_N"] * REDUCE_FIXED["TILES"])
+    pre = (torch.zeros if zero_pre else torch.empty)(s_up, n_pre, n_rows, k, device=device,
+                                                      dtype=torch.float32)
+    return pre, torch.empty(s_down, n_rows, d_out, device=device, dtype=torch.float32)
+
+
+def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
+    d, k, n_rows = rows.shape[1], sel.shape[1], rows.shape[0]
+    launch(_up_kernel, lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]),
+                                  n_rows),
+           rows, sel, w, w_up, pre_target, up_target,
+           d, k,
+           rows.stride(0), sel.stride(0), w.stride(0), w_up.stride(0), parts.stride(2),
+           parts.stride(0) if det else 0,
+           GATED=gated, ATOMIC=not det, fixed=TILE_FIXED if det else None)
+
+
+def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
+    """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP)."""
+    k, d_out, n_rows = sel.shape[1], w2_t.shape[1], sel.shape[0]
+    launch(_down_kernel, lambda m: (triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                                    triton.cdiv(d_out, m["BLOCK_D"]), n_rows),
+           pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
+           d_out, k,
+           pre.stride(1), sel.stride(0), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
+           parts.stride(0) if det else 0,
+           ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
+           fixed=REDUCE_FIXED if det else None)
 
 
 def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
@@ -103,26 +160,11 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
         raise ValueError("sparse_mlp kernel needs row-contiguous w1 and w_up")
     rows = x.reshape(-1, d).contiguous()
     sel = idx.reshape(-1, k).contiguous()
-    n_rows = rows.shape[0]
-    # one zeroed fp32 buffer (one launch) for the pre-activations and the output
-    n_pre = 2 if w_up is not None else 1
-    buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=x.device, dtype=torch.float32)
-    pre = buf[: n_pre * n_rows * k].view(n_pre, n_rows, k)
-    out = buf[n_pre * n_rows * k:].view(n_rows, d_out)
-    up = w_up if w_up is not None else w1
-    _up_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]), n_rows)](
-        rows, sel, w1, up, pre[0], pre[-1],
-        d, k,
-        rows.stride(0), sel.stride(0), w1.stride(0), up.stride(0), pre.stride(1),
-        GATED=w_up is not None,
-    )
-    _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
-                            triton.cdiv(d_out, m["BLOCK_D"]), n_rows)](
-        pre[0], pre[-1], sel, b1 if b1 is not None else w1, w2_t, out,
-        d_out, k,
-        pre.stride(1), sel.stride(0), w2_t.stride(0), w2_t.stride(1), out.stride(0),
-        ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=w_up is not None,
-    )
+    det, gated = deterministic(), w_up is not None
+    pre, out = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device)
+    _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
+    _launch_down(pre.sum(0) if det else pre[0], sel, b1, w2_t, out, act, gated, det)
+    out = out.sum(0) if det else out[0]
     return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)
 
 
@@ -140,22 +182,11 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
         raise ValueError("sparse_mlp_gated kernel needs a row-contiguous w_up")
     rows = x.reshape(-1, d).contiguous()
     sel = idx.reshape(-1, k).contiguous()
-    n_rows = rows.shape[0]
-    buf = torch.zeros(2 * n_rows * k + n_rows * d_out, device=x.device, dtype=torch.float32)
-    pre = buf[: 2 * n_rows * k].view(2, n_rows, k)
-    out = buf[2 * n_rows * k:].view(n_rows, d_out)
-    torch.gather(g.reshape(n_rows, -1).float(), 1, sel, out=pre[0])
-    _up_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]), n_rows)](
-        rows, sel, w_up, w_up, pre[1], pre[1],
-        d, k,
-        rows.stride(0), sel.stride(0), w_up.stride(0), w_up.stride(0), pre.stride(1),
-        GATED=False,
-    )
-    _down_kernel[lambda m: (triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
-                            triton.cdiv(d_out, m["BLOCK_D"]), n_rows)](
-        pre[0], pre[1], sel, w_up, w2_t, out,
-        d_out, k,
-        pre.stride(1), sel.stride(0), w2_t.stride(0), w2_t.stride(1), out.stride(0),
-        ACT=ACT_CODES[act], HAS_B1=False, GATED=True,
-    )
+    n_rows, det = rows.shape[0], deterministic()
+    # the gate's slots after the first stay zero, so the ordered sum keeps the gathered values
+    pre, out = _targets(det, 2, n_rows, k, d, d_out, x.device, zero_pre=det)
+    torch.gather(g.reshape(n_rows, -1).float(), 1, sel, out=pre[0, 0])
+    _launch_up(rows, sel, w_up, w_up, pre[0, 1], pre[0, 1], pre, False, det)
+    _launch_down(pre.sum(0) if det else pre[0], sel, None, w2_t, out, act, True, det)
+    out = out.sum(0) if det else out[0]
     return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)

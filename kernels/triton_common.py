@@ -16,6 +16,44 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # GPU time and measures nothing. Benchmarks leave it unset.
 QUICK_TUNE = os.environ.get("DEJAVU_QUICK_TUNE") == "1"
 
+# The one config of each kind of kernel for quick tuning and for deterministic mode: tiles
+# (selected rows x columns) per program and, for the reducing kernels, neuron tiles per program.
+TILE_FIXED = ({"BLOCK_N": 8, "BLOCK_D": 16, "num_warps": 1} if INTERPRET
+              else {"BLOCK_N": 32, "BLOCK_D": 128, "num_warps": 4})
+REDUCE_FIXED = {**TILE_FIXED, "TILES": 2}
+
+
+def _config(fixed: dict) -> triton.Config:
+    meta = {k: v for k, v in fixed.items() if k != "num_warps"}
+    return triton.Config(meta, num_warps=fixed["num_warps"])
+
+
+def deterministic() -> bool:
+    """Whether results must be bitwise reproducible (PyTorch's switch,
+    ``torch.use_deterministic_algorithms``). The projection kernels then give each program its
+    own slot of partial sums, added afterwards by one ordered sum, instead of atomics that meet
+    in no fixed order; they run with the fixed configs above (the slot count is known before
+    the launch). Slower: for tests and debugging."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
+    """Launch the autotuned ``kernel`` over ``grid`` (a function of the meta-parameters), or,
+    with ``fixed``, the kernel under it with that config (no autotuning)."""
+    if fixed is None:
+        kernel[grid](*args, **meta)
+    else:
+        kernel.fn[grid](*args, **meta, **fixed)
+
+
+@triton.jit
+def add_partial(ptrs, vals, mask, ATOMIC: tl.constexpr):
+    """Add ``vals`` into ``ptrs`` with atomics, or store them (each program its own slot)."""
+    if ATOMIC:
+        tl.atomic_add(ptrs, vals, mask=mask)
+    else:
+        tl.store(ptrs, vals, mask=mask)
+
 
 @triton.jit
 def apply_act(h, ACT: tl.constexpr):
@@ -37,10 +75,8 @@ def tile_configs() -> list[triton.Config]:
     Each program handles one tile, no serial loop, so small selections still fill the GPU.
     Under the interpreter (CPU tests) one small config keeps runs short.
     """
-    if INTERPRET:
-        return [triton.Config({"BLOCK_N": 8, "BLOCK_D": 16}, num_warps=1)]
-    if QUICK_TUNE:
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_D": 128}, num_warps=4)]
+    if INTERPRET or QUICK_TUNE:
+        return [_config(TILE_FIXED)]
     shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (16, 256, 4),
               (32, 256, 4), (64, 256, 8), (32, 64, 2), (64, 64, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w) for n, d, w in shapes]
@@ -50,10 +86,8 @@ def reduce_configs() -> list[triton.Config]:
     """Configs of the kernels whose tiles all add into the same outputs (the down and output
     projections): ``TILES`` neuron tiles per program are summed in registers before one atomic
     add, so fewer atomics meet on each output than with one tile per program."""
-    if INTERPRET:
-        return [triton.Config({"BLOCK_N": 8, "BLOCK_D": 16, "TILES": 2}, num_warps=1)]
-    if QUICK_TUNE:
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_D": 128, "TILES": 2}, num_warps=4)]
+    if INTERPRET or QUICK_TUNE:
+        return [_config(REDUCE_FIXED)]
     shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (16, 256, 4), (32, 256, 4), (64, 64, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d, "TILES": t}, num_warps=w)
             for n, d, w in shapes for t in (1, 2, 4, 8)]

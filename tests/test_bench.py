@@ -35,10 +35,13 @@ def test_analyse_kv_finds_costs_and_crossings():
         for mode, w, cost, k in (("dense", 10e9, 1.0, 1.0), ("projection", 6e9, 3.0, 1.0),
                                  ("kv", 10e9, 1.0, keep), ("both", 6e9, 6.0, keep)):
             nbytes = w + k * kv * n
-            rows.append({"mode": mode, "context": n, "bytes": nbytes, "ms": nbytes / 1e9 + cost})
+            noise = 0.5 if (mode, n) == ("kv", 9000) else 0.0  # one slow point
+            rows.append({"mode": mode, "context": n, "bytes": nbytes,
+                         "ms": nbytes / 1e9 + cost + noise})
     sweep = {"rows": rows, "kv_bytes_per_token": kv, "kv_keep": keep, "weights": weights}
     out = bench.analyse_kv(sweep, bw)
     assert out["costs_ms"]["projection"] == pytest.approx(3.0)
+    assert out["costs_ms"]["kv"] == pytest.approx(1.0)  # the median, past the slow point
     assert out["byte_crossover"] == pytest.approx(8000)  # 4 GB saved / (0.5 * 1 MB)
     # projection - kv = (-4 + 0.5 n / 1000) + 2 ms: zero at n = 4000
     assert out["predicted_crossing"] == pytest.approx(4000)

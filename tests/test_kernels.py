@@ -125,6 +125,48 @@ def test_transposed_views_read_as_contiguous(dtype, gated):
                                **TOL[dtype])
 
 
+@pytest.fixture
+def deterministic_mode():
+    """``torch.use_deterministic_algorithms(True)`` for one test (warn only: cuBLAS and the like
+    would otherwise refuse without their own settings)."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_deterministic_mode(dtype, gated, deterministic_mode):
+    """In deterministic mode the projection kernels keep each program's partial sums apart and
+    add them in order: same values as the reference, bitwise equal from call to call (shapes of
+    several slots along each split)."""
+    from dejavu_compile.kernels.triton_common import deterministic
+
+    assert deterministic()
+    d, n, d_out, k = 37, 45, 29, 40
+    x = _rand(2, 1, d, dtype=dtype, seed=0)
+    w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
+    w_up = _rand(n, d, dtype=dtype, seed=4) if gated else None
+    b1 = None if gated else _rand(n, dtype=dtype, seed=3)
+    g = _rand(2, 1, n, dtype=dtype, seed=6)
+    idx = _selection(2, n, k).view(2, 1, k)
+    attn, wq = _rand(2, 1, 6 * 8, dtype=dtype, seed=5), _rand(6 * 8, d, dtype=dtype, seed=7)
+    wo_t = _rand(6 * 8, d, dtype=dtype, seed=8)
+    hidx = _selection(2, 6, 4).view(2, 1, 4)
+    calls = [
+        (sparse_mlp.sparse_mlp, ref.sparse_mlp, (x, idx, w1, b1, w_up, w2_t, None, "silu")),
+        (sparse_mlp.sparse_mlp_gated, ref.sparse_mlp_gated, (x, idx, g, w1, w2_t, None, "silu")),
+        (heads.sparse_head_proj, ref.sparse_head_proj, (x, hidx, wq, None, 8)),
+        (heads.sparse_head_out, ref.sparse_head_out, (attn, hidx, wo_t, None, 8)),
+    ]
+    for kernel, reference, args in calls:
+        first, second = kernel(*args), kernel(*args)
+        assert torch.equal(first, second), kernel.__name__
+        torch.testing.assert_close(first.double(), _ref64(reference, *args), **TOL[dtype])
+
+
 def test_kernels_refuse_unsupported_dtype():
     x = torch.randn(1, 1, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match="Triton kernel handles"):
