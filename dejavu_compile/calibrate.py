@@ -105,11 +105,14 @@ def find_mlp_modules(model, sample: torch.Tensor) -> list[tuple[int, dict]]:
 
 @torch.no_grad()
 def record(model, ids: torch.Tensor, cache_dir: Path | None = None,
-           progress: bool = True) -> list[MLPTrace]:
+           progress: bool = True, layers=None) -> list[MLPTrace]:
     """Run the dense model over ``ids`` [1, T] in sequences of ``CONTEXT`` tokens and record
-    every MLP's input and hidden activations. With ``cache_dir``, recorded layers are saved and
-    a rerun resumes from them."""
+    every MLP's input and hidden activations (only those of ``layers`` when given: memory grows
+    with tokens x layers). With ``cache_dir``, recorded layers are saved and a rerun resumes
+    from them."""
     blocks = find_mlp_modules(model, ids[:, :8])
+    if layers is not None:
+        blocks = [(layer, mods) for layer, mods in blocks if layer in set(layers)]
     traces = {layer: {"x": [], "h": []} for layer, _ in blocks}
     cached = cache_dir is not None and all((cache_dir / f"mlp{layer}.pt").is_file()
                                            for layer, _ in blocks)
@@ -222,7 +225,6 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
                   "buckets": buckets}
 
 
-@torch.no_grad()
 @torch.no_grad()
 def recall_by_density(pred: Predictor, quality: dict,
                       densities=DENSITY_STEPS) -> dict[float, float]:

@@ -11,10 +11,12 @@ SELECTORS = ("oracle", "predictor", "fixed", "gate", "threshold")
 GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
 RELAYOUTS = ("in_place", "copy")
+BATCH_SELECTIONS = ("union", "row")
 
 DEFAULT_INNER = "inductor"
 DEFAULT_GRANULARITY = "head"
 DEFAULT_RELAYOUT = "in_place"
+DEFAULT_BATCH_SELECTION = "union"
 
 
 def _check_density(name: str, value: float | None) -> None:
@@ -63,6 +65,11 @@ class DejavuOptions:
         row-per-unit layout: ``"in_place"`` re-lays out the parameters themselves (no second
         copy; the parameters become transposed views, Dynamo recompiles once after the first
         call) or ``"copy"`` (a copy beside each original: more memory, parameters untouched).
+    batch_selection: how a decode step of several sequences selects: ``"union"`` (every row
+        computes the units any row selected, so the weights read are the union's, once for the
+        batch; a row's output then depends on the others' selections, never with fewer units
+        than its own) or ``"row"`` (each row its own selection: a batch decodes exactly as each
+        of its rows alone). Batch 1 is the same either way.
     fuse_linears: dense projections that read the same input (K and V, Q, K and V, gate and
         up) run as one linear on their stacked weights; the parameters become row slices of
         the stacked matrix (no copy kept).
@@ -83,6 +90,7 @@ class DejavuOptions:
     lookahead: bool | None = None
     relayout: str = DEFAULT_RELAYOUT
     fuse_linears: bool = True
+    batch_selection: str = DEFAULT_BATCH_SELECTION
     fold_predictors: bool = False
     dump_dir: str | None = None
 
@@ -100,6 +108,9 @@ class DejavuOptions:
             )
         if self.fold_predictors and not self.fuse_linears:
             raise ValueError("option 'fold_predictors' needs fuse_linears=True")
+        if self.batch_selection not in BATCH_SELECTIONS:
+            raise ValueError(f"option 'batch_selection' must be one of {BATCH_SELECTIONS}, "
+                             f"got {self.batch_selection!r}")
         if self.relayout not in RELAYOUTS:
             raise ValueError(f"option 'relayout' must be one of {RELAYOUTS}, got {self.relayout!r}")
         if self.inner not in INNER_COMPILERS:

@@ -238,6 +238,8 @@ def _register_onnx_symbolics() -> None:
                         continue
                     inputs.append(value)
                     present.append(arg.name)
+                elif ty.startswith("bool"):
+                    attrs[f"{arg.name}_i"] = int(sh._maybe_get_const(value, "b"))
                 elif ty.startswith("int"):
                     attrs[f"{arg.name}_i"] = sh._maybe_get_const(value, "i")
                 elif ty.startswith("float"):

@@ -2,7 +2,8 @@
 |act(gate) * up| on held-out calibration tokens, per layer, for learned predictors and for
 training-free images of the gate and up projections.
 
-    python examples/predictor_study.py [--model smollm2-135m] [--layers 4 16 26] [--cache DIR]
+    python examples/predictor_study.py [--model smollm2-135m] [--layers 4 16 26] [--tokens N]
+                                       [--cache DIR]
 
 Selectors compared (all at density 0.5, one top-k over all neurons):
 
@@ -44,7 +45,7 @@ def main() -> None:
     torch.manual_seed(0)
     loaded = load_model(args.model)
     ids = loaded.encode(documentation_text("calibration"), args.tokens)
-    traces = {t.layer: t for t in cal.record(loaded.model, ids, args.cache)}
+    traces = {t.layer: t for t in cal.record(loaded.model, ids, args.cache, layers=args.layers)}
     for layer in args.layers:
         trace = traces[layer]
         if trace.up is None:

@@ -21,8 +21,8 @@ else:
     ops.sparse_mlp_gated.register_kernel("cuda")(sparse_mlp.sparse_mlp_gated)
     kv.decode_attention.register_kernel("cuda")(decode_attention.decode_attention)
 # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
-ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 8))
-ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 5))
+ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9))
+ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))
 ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
 ops.select_hidden.register_kernel("cuda")(predictor.select_hidden)
 ops.predict_ahead.register_kernel("cuda")(lookahead.predict_ahead)

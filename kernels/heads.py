@@ -21,9 +21,10 @@ from .triton_common import add_partial, reduce_configs, tile_configs
 
 @triton.jit
 def _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask):
-    """Weight-row ids of the selected-row positions ``offs`` (head id * head_dim + offset)."""
-    head = tl.load(idx_ptr + row * stride_idx + offs // HEAD_DIM, mask=mask, other=0).to(tl.int64)
-    return head * HEAD_DIM + offs % HEAD_DIM
+    """Weight-row ids of the selected-row positions ``offs`` (head id * head_dim + offset), and
+    which positions are rows of a head (not past the selection nor -1, union padding)."""
+    head = tl.load(idx_ptr + row * stride_idx + offs // HEAD_DIM, mask=mask, other=-1).to(tl.int64)
+    return head * HEAD_DIM + offs % HEAD_DIM, head >= 0
 
 
 @triton.autotune(configs=tile_configs(), key=["D", "J"], reset_to_zero=["out_ptr"])
@@ -34,10 +35,10 @@ def _head_proj_kernel(
     stride_x, stride_idx, stride_w, stride_out, stride_part,
     HAS_B: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid, pid_d, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, pid, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < J
-    wrows = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
+    wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -59,14 +60,14 @@ def _head_out_kernel(
     stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_part,
     ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
 ):
-    pid, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for t in tl.static_range(TILES):
         offs = (pid * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < J
-        wrows = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
+        wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
         vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
                     mask=mask[:, None] & mask_o[None, :], other=0.0)
@@ -87,39 +88,42 @@ def _partials(det: bool, splits: int, n_rows: int, n: int, device, zero: bool) -
                                                    dtype=torch.float32)
 
 
-def sparse_head_proj(x, idx, w, b, head_dim: int) -> torch.Tensor:
+def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_proj``: [..., d] -> [..., H * head_dim]."""
     tc.check_dtype("sparse_head_proj", x, w, b)
-    rows, sel = _rows(x), _rows(idx)
+    rows = _rows(x)
+    sel = tc.selection(idx, rows.shape[0], w.shape[0] // head_dim, union)
     j, d = sel.shape[1] * head_dim, rows.shape[1]
     det = tc.deterministic()
     # the rows of unselected heads stay zero
     parts = _partials(det, triton.cdiv(d, tc.TILE_FIXED["BLOCK_D"]), rows.shape[0], w.shape[0],
                       x.device, zero=True)
     tc.launch(_head_proj_kernel,
-              lambda m: (triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]), rows.shape[0]),
+              lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"])),
               rows, sel, w, b if b is not None else w, parts[0],
               d, j, head_dim,
-              rows.stride(0), sel.stride(0), w.stride(0), parts.stride(1),
+              rows.stride(0), tc.idx_stride(sel), w.stride(0), parts.stride(1),
               parts.stride(0) if det else 0,
               HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_FIXED if det else None)
     out = parts.sum(0) if det else parts[0]
     return tc.finish(out, None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
+def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d]."""
     tc.check_dtype("sparse_head_out", attn, wo_t, b)
-    rows, sel = _rows(attn), _rows(idx)
+    rows = _rows(attn)
+    sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     det = tc.deterministic()
     splits = triton.cdiv(j, tc.REDUCE_FIXED["BLOCK_N"] * tc.REDUCE_FIXED["TILES"])
     parts = _partials(det, splits, rows.shape[0], d_out, attn.device, zero=False)
-    tc.launch(_head_out_kernel, lambda m: (triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
-                                           triton.cdiv(d_out, m["BLOCK_D"]), rows.shape[0]),
+    tc.launch(_head_out_kernel,
+              lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
+                         triton.cdiv(d_out, m["BLOCK_D"])),
               rows, sel, wo_t, parts[0],
               d_out, j, head_dim,
-              rows.stride(0), sel.stride(0), wo_t.stride(0), wo_t.stride(1), parts.stride(1),
+              rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1), parts.stride(1),
               parts.stride(0) if det else 0,
               ATOMIC=not det, fixed=tc.REDUCE_FIXED if det else None)
     out = parts.sum(0) if det else parts[0]

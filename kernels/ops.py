@@ -136,15 +136,17 @@ def sparse_mlp(
     w2_t: torch.Tensor,
     b2: torch.Tensor | None,
     act: str,
+    union: bool = False,
     keep: torch.Tensor | None = None,
     slot: int = -1,
 ) -> torch.Tensor:
-    """MLP over the selected neurons: act(x W1[idx]^T (+b1)) [* x W_up[idx]^T] @ W2_t[idx] (+b2)."""
-    return ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
+    """MLP over the selected neurons: act(x W1[idx]^T (+b1)) [* x W_up[idx]^T] @ W2_t[idx] (+b2);
+    with ``union``, every row over the neurons any row selected (``reference.union_ids``)."""
+    return ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union)
 
 
 @sparse_mlp.register_fake
-def _(x, idx, w1, b1, w_up, w2_t, b2, act, keep=None, slot=-1):
+def _(x, idx, w1, b1, w_up, w2_t, b2, act, union=False, keep=None, slot=-1):
     return x.new_empty(*x.shape[:-1], w2_t.shape[1])
 
 
@@ -155,15 +157,17 @@ def sparse_head_proj(
     w: torch.Tensor,
     b: torch.Tensor | None,
     head_dim: int,
+    union: bool = False,
     keep: torch.Tensor | None = None,
     slot: int = -1,
 ) -> torch.Tensor:
-    """Query projection for the selected heads; the other heads' outputs are zero."""
-    return ref.sparse_head_proj(x, idx, w, b, head_dim)
+    """Query projection for the selected heads (with ``union``, those any row selected); the
+    other heads' outputs are zero."""
+    return ref.sparse_head_proj(x, idx, w, b, head_dim, union)
 
 
 @sparse_head_proj.register_fake
-def _(x, idx, w, b, head_dim, keep=None, slot=-1):
+def _(x, idx, w, b, head_dim, union=False, keep=None, slot=-1):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
@@ -174,13 +178,15 @@ def sparse_head_out(
     wo_t: torch.Tensor,
     b: torch.Tensor | None,
     head_dim: int,
+    union: bool = False,
 ) -> torch.Tensor:
-    """Output projection over the selected heads only (``wo_t`` stored [H * head_dim, d])."""
-    return ref.sparse_head_out(attn, idx, wo_t, b, head_dim)
+    """Output projection over the selected heads only (``wo_t`` stored [H * head_dim, d]; with
+    ``union``, the heads any row selected)."""
+    return ref.sparse_head_out(attn, idx, wo_t, b, head_dim, union)
 
 
 @sparse_head_out.register_fake
-def _(attn, idx, wo_t, b, head_dim):
+def _(attn, idx, wo_t, b, head_dim, union=False):
     return attn.new_empty(*attn.shape[:-1], wo_t.shape[1])
 
 
@@ -215,14 +221,16 @@ def sparse_mlp_gated(
     w2_t: torch.Tensor,
     b2: torch.Tensor | None,
     act: str,
+    union: bool = False,
 ) -> torch.Tensor:
     """Gated MLP over the selected neurons with the gate computed densely: reads only the
-    selected rows of the up projection and of the transposed down projection."""
-    return ref.sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act)
+    selected rows of the up projection and of the transposed down projection (with ``union``,
+    of the neurons any row selected)."""
+    return ref.sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act, union)
 
 
 @sparse_mlp_gated.register_fake
-def _(x, idx, g, w_up, w2_t, b2, act):
+def _(x, idx, g, w_up, w2_t, b2, act, union=False):
     return x.new_empty(*x.shape[:-1], w2_t.shape[1])
 
 

@@ -5,8 +5,10 @@ Conventions shared by all ops (see ``passes/README.md``):
 
 * ``x`` is ``[..., d]``; each of its ``R = x.numel() // d`` rows is one decoded token with its
   own selection (``idx`` is ``[..., k]``, int64): per-row selection, so a batch decodes exactly
-  as each of its rows would alone. Prefill never reaches these ops: the sparsify pass rewrites
-  only graphs that decode one token per sequence.
+  as each of its rows would alone. With ``union`` (the sparse ops' flag, set by the sparsify
+  pass for batches), every row computes the units that any row selected (``union_ids``): the
+  weights a batch reads are those of the union, read once for all rows. Prefill never reaches
+  these ops: the sparsify pass rewrites only graphs that decode one token per sequence.
 * Weights keep the Hugging Face layout ``[out, in]`` for the first projections (a selected
   neuron's row is contiguous); the down and output projections arrive transposed, ``[in, out]``,
   so a selected neuron's or head's weights are contiguous too (paper section 4.4).
@@ -56,20 +58,43 @@ def mlp_hidden(x: torch.Tensor, w1, b1, w_up, act: str) -> torch.Tensor:
     return h
 
 
-def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
-    """MLP over the selected neurons only.
+def union_ids(idx: torch.Tensor, units: int) -> torch.Tensor:
+    """The union selection of a batch: the ids (< ``units``) that any row of ``idx`` [..., k]
+    selects, ascending, as one row ``[1, S]`` with ``S = min(units, rows * k)`` (the most the
+    union can hold), padded at the end with -1 (no unit: ops and kernels skip it). Static
+    shape and no host synchronisation, so it runs inside a captured decode step."""
+    flat = idx.reshape(-1)
+    size = min(units, flat.numel())
+    chosen = torch.zeros(units, dtype=torch.bool, device=idx.device)
+    chosen[flat] = True
+    order = torch.argsort((~chosen).to(torch.uint8), stable=True)[:size]  # chosen ids first
+    slots = torch.arange(size, device=idx.device)
+    return torch.where(slots < chosen.sum(), order, -1).view(1, size)
+
+
+def selected_rows(idx: torch.Tensor, n_rows: int, units: int, union: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ids ``[R, k']`` (-1 padding replaced by 0) and which of them are units
+    ``[R, k']``: the row's own selection, or with ``union`` the batch's ``union_ids``."""
+    sel = union_ids(idx, units).expand(n_rows, -1) if union else idx.reshape(n_rows, -1)
+    return sel.clamp_min(0), sel >= 0
+
+
+def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:
+    """MLP over the selected neurons only (with ``union``, those any row selected).
 
     x: [..., d]; idx: [..., k] neuron ids; w1, w_up: [N, d]; b1: [N]; w2_t: [N, d_out].
     Returns [..., d_out].
     """
     rows = _rows(x)
-    sel = idx.reshape(rows.shape[0], -1)
+    sel, valid = selected_rows(idx, rows.shape[0], w1.shape[0], union)
     h = torch.einsum("rd,rkd->rk", rows, _acc(w1[sel]))
     if b1 is not None:
         h = h + _acc(b1)[sel]
     h = activate(h, act)
     if w_up is not None:
         h = h * torch.einsum("rd,rkd->rk", rows, _acc(w_up[sel]))
+    h = h * valid
     out = torch.einsum("rk,rko->ro", h, _acc(w2_t[sel]))
     if b2 is not None:
         out = out + _acc(b2)
@@ -90,14 +115,14 @@ def select_gate(g: torch.Tensor, act: str, k: int) -> torch.Tensor:
     return topk_indices(activate(rows, act).abs(), k).reshape(*g.shape[:-1], k)
 
 
-def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
+def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:
     """A gated MLP over the selected neurons, the gate already computed densely: act(g[idx]) *
     (x W_up[idx]^T) @ W2_t[idx] (+b2). x: [..., d]; idx: [..., k]; g: [..., N]; w_up: [N, d];
     w2_t: [N, d_out]. Returns [..., d_out]."""
     rows = _rows(x)
-    sel = idx.reshape(rows.shape[0], -1)
+    sel, valid = selected_rows(idx, rows.shape[0], w_up.shape[0], union)
     gate = activate(_acc(g.reshape(rows.shape[0], -1)).gather(1, sel), act)
-    h = gate * torch.einsum("rd,rkd->rk", rows, _acc(w_up[sel]))
+    h = gate * torch.einsum("rd,rkd->rk", rows, _acc(w_up[sel])) * valid
     out = torch.einsum("rk,rko->ro", h, _acc(w2_t[sel]))
     if b2 is not None:
         out = out + _acc(b2)
@@ -189,36 +214,39 @@ def select_hidden(h, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1)
     return units.reshape(*h.shape[:-1], k * group)
 
 
-def _head_rows(idx: torch.Tensor, head_dim: int, n_rows: int) -> torch.Tensor:
-    """Weight-row ids ``[R, k * head_dim]`` covered by the selected heads ``idx``."""
-    heads = idx.reshape(n_rows, -1)
-    return expand_groups(heads, head_dim)
+def _head_rows(idx: torch.Tensor, head_dim: int, n_rows: int, n_heads: int, union: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-row ids ``[R, k' * head_dim]`` covered by the selected heads ``idx`` (see
+    ``selected_rows``) and which of them belong to a selected head."""
+    heads, valid = selected_rows(idx, n_rows, n_heads, union)
+    return expand_groups(heads, head_dim), valid.repeat_interleave(head_dim, dim=1)
 
 
-def sparse_head_proj(x, idx, w, b, head_dim: int) -> torch.Tensor:
+def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.Tensor:
     """Projection (queries) for the selected heads only; other heads' outputs are zero.
 
     x: [..., d]; idx: [..., k] head ids; w: [H * head_dim, d]; b: [H * head_dim].
     Returns [..., H * head_dim]: full width so the attention code around it is unchanged.
     """
     rows = _rows(x)
-    sel = _head_rows(idx, head_dim, rows.shape[0])
+    sel, valid = _head_rows(idx, head_dim, rows.shape[0], w.shape[0] // head_dim, union)
     vals = torch.einsum("rd,rjd->rj", rows, _acc(w[sel]))
     if b is not None:
         vals = vals + _acc(b)[sel]
-    out = rows.new_zeros(rows.shape[0], w.shape[0]).scatter_(1, sel, vals)
+    # padding points at head 0 with a zero value: adding keeps head 0's own value
+    out = rows.new_zeros(rows.shape[0], w.shape[0]).scatter_add_(1, sel, vals * valid)
     return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def sparse_head_out(attn, idx, wo_t, b, head_dim: int) -> torch.Tensor:
+def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> torch.Tensor:
     """Output projection over the selected heads only.
 
     attn: [..., H * head_dim]; idx: [..., k] head ids; wo_t: [H * head_dim, d]; b: [d].
     Returns [..., d].
     """
     rows = _rows(attn)
-    sel = _head_rows(idx, head_dim, rows.shape[0])
-    out = torch.einsum("rj,rjo->ro", rows.gather(1, sel), _acc(wo_t[sel]))
+    sel, valid = _head_rows(idx, head_dim, rows.shape[0], wo_t.shape[0] // head_dim, union)
+    out = torch.einsum("rj,rjo->ro", rows.gather(1, sel) * valid, _acc(wo_t[sel]))
     out = out.reshape(*attn.shape[:-1], wo_t.shape[1])
     if b is not None:
         out = out + _acc(b)

@@ -33,8 +33,10 @@ from .triton_common import (
     check_dtype,
     deterministic,
     finish,
+    idx_stride,
     launch,
     reduce_configs,
+    selection,
     tile_configs,
 )
 
@@ -53,13 +55,13 @@ def _up_kernel(
     # meta-parameters
     GATED: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_n, pid_d, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, pid_n, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < K
-    neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=0).to(tl.int64)
+    neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    tile = mask_n[:, None] & mask_d[None, :]
+    tile = (neurons >= 0)[:, None] & mask_d[None, :]  # -1: union padding, no neuron
     x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
     out = pid_d * stride_part + row * stride_pre + offs_n
@@ -87,23 +89,24 @@ def _down_kernel(
     ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
 ):
-    pid_n, pid_o, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for t in tl.static_range(TILES):
         offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < K
-        neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=0).to(tl.int64)
+        neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
+        valid = neurons >= 0  # -1: past K or union padding
         h = tl.load(pre_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
         if HAS_B1:
-            h += tl.load(b1_ptr + neurons, mask=mask_n, other=0.0).to(tl.float32)
+            h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
         h = apply_act(h, ACT)
         if GATED:
             h = h * tl.load(up_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
-        h = tl.where(mask_n, h, 0.0)
+        h = tl.where(valid, h, 0.0)
         w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                     mask=mask_n[:, None] & mask_o[None, :], other=0.0)
+                     mask=valid[:, None] & mask_o[None, :], other=0.0)
         acc += tl.sum(w2.to(tl.float32) * h[:, None], 0)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
 
@@ -126,40 +129,41 @@ def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, dev
 
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
     d, k, n_rows = rows.shape[1], sel.shape[1], rows.shape[0]
-    launch(_up_kernel, lambda m: (triton.cdiv(k, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"]),
-                                  n_rows),
+    launch(_up_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"]),
+                                  triton.cdiv(d, m["BLOCK_D"])),
            rows, sel, w, w_up, pre_target, up_target,
            d, k,
-           rows.stride(0), sel.stride(0), w.stride(0), w_up.stride(0), parts.stride(2),
+           rows.stride(0), idx_stride(sel), w.stride(0), w_up.stride(0), parts.stride(2),
            parts.stride(0) if det else 0,
            GATED=gated, ATOMIC=not det, fixed=TILE_FIXED if det else None)
 
 
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
     """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP)."""
-    k, d_out, n_rows = sel.shape[1], w2_t.shape[1], sel.shape[0]
-    launch(_down_kernel, lambda m: (triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
-                                    triton.cdiv(d_out, m["BLOCK_D"]), n_rows),
+    k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
+    launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                                    triton.cdiv(d_out, m["BLOCK_D"])),
            pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
            d_out, k,
-           pre.stride(1), sel.stride(0), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
+           pre.stride(1), idx_stride(sel), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
            parts.stride(0) if det else 0,
            ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
            fixed=REDUCE_FIXED if det else None)
 
 
-def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
+def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:
     """Triton launcher with the signature of ``torch.ops.dejavu.sparse_mlp``.
 
     x: [..., d] (fp16/bf16/fp32); idx: [..., k] int64; w1, w_up: [N, d]; w2_t: [N, d_out];
     returns [..., d_out] in x's dtype.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
-    d, d_out, k = x.shape[-1], w2_t.shape[1], idx.shape[-1]
+    d, d_out = x.shape[-1], w2_t.shape[1]
     if w1.stride(1) != 1 or (w_up is not None and w_up.stride(1) != 1):
         raise ValueError("sparse_mlp kernel needs row-contiguous w1 and w_up")
     rows = x.reshape(-1, d).contiguous()
-    sel = idx.reshape(-1, k).contiguous()
+    sel = selection(idx, rows.shape[0], w1.shape[0], union)
+    k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
     pre, out = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device)
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
@@ -168,7 +172,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str) -> torch.Tensor:
     return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)
 
 
-def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
+def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:
     """Triton launcher with the signature of ``torch.ops.dejavu.sparse_mlp_gated``: the gate
     pre-activations of the selected neurons are gathered from ``g`` (computed densely by the
     selector's projection), the up kernel computes only the selected rows of ``w_up``, and the
@@ -177,15 +181,18 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str) -> torch.Tensor:
     x: [..., d]; idx: [..., k] int64; g: [..., N]; w_up: [N, d]; w2_t: [N, d_out].
     """
     check_dtype("sparse_mlp_gated", x, g, w_up, w2_t, b2)
-    d, d_out, k = x.shape[-1], w2_t.shape[1], idx.shape[-1]
+    d, d_out = x.shape[-1], w2_t.shape[1]
     if w_up.stride(1) != 1:
         raise ValueError("sparse_mlp_gated kernel needs a row-contiguous w_up")
     rows = x.reshape(-1, d).contiguous()
-    sel = idx.reshape(-1, k).contiguous()
     n_rows, det = rows.shape[0], deterministic()
+    sel = selection(idx, n_rows, w_up.shape[0], union)
+    k = sel.shape[1]
     # the gate's slots after the first stay zero, so the ordered sum keeps the gathered values
     pre, out = _targets(det, 2, n_rows, k, d, d_out, x.device, zero_pre=det)
-    torch.gather(g.reshape(n_rows, -1).float(), 1, sel, out=pre[0, 0])
+    # the gate of each row at the ids (padding reads unit 0; the kernels skip it)
+    torch.gather(g.reshape(n_rows, -1).float(), 1, sel.clamp_min(0).expand(n_rows, -1),
+                 out=pre[0, 0])
     _launch_up(rows, sel, w_up, w_up, pre[0, 1], pre[0, 1], pre, False, det)
     _launch_down(pre.sum(0) if det else pre[0], sel, None, w2_t, out, act, True, det)
     out = out.sum(0) if det else out[0]

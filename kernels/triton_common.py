@@ -37,6 +37,21 @@ def deterministic() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+def selection(idx: torch.Tensor, n_rows: int, units: int, union: bool) -> torch.Tensor:
+    """The ids the kernels read: each row's ``[R, k]``, or with ``union`` and more than one row
+    the batch's union ``[1, S]`` (``reference.union_ids``, -1 padded) that every row reads."""
+    from .reference import union_ids
+
+    if union and n_rows > 1:
+        return union_ids(idx, units)
+    return idx.reshape(n_rows, -1).contiguous()
+
+
+def idx_stride(sel: torch.Tensor) -> int:
+    """Row stride of the ids passed to a kernel: 0 for one row shared by all (union)."""
+    return 0 if sel.shape[0] == 1 else sel.stride(0)
+
+
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
     """Launch the autotuned ``kernel`` over ``grid`` (a function of the meta-parameters), or,
     with ``fixed``, the kernel under it with that config (no autotuning)."""

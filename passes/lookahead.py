@@ -31,7 +31,7 @@ from .context import PassContext, fake_mode_of, fake_value, is_linear, is_op, se
 
 OPS = torch.ops.dejavu
 # the op of each block kind that first uses the selection, and where its keep/slot go
-FIRST_CONSUMER = {"mlp": ("sparse_mlp", 8), "attention": ("sparse_head_proj", 5)}
+FIRST_CONSUMER = {"mlp": ("sparse_mlp", 9), "attention": ("sparse_head_proj", 6)}
 
 
 def _check_option(ctx: PassContext, layer: int, kind: str, source: str) -> None:

@@ -220,6 +220,15 @@ def _fixed_ids(gm, ctx, x: fx.Node, plan: BlockPlan, name: str, fake_mode) -> fx
     return add_constant(gm, ctx, name, ids, fake_mode)
 
 
+def _union(ctx: PassContext, x: fx.Node) -> bool:
+    """Whether the sparse op reading ``x`` computes the batch's union selection: for more than
+    one decoded row, unless ``batch_selection`` is ``"row"`` (always passed, by position: the
+    lookahead pass appends its arguments after it)."""
+    val = fake_value(x)
+    rows = val.numel() // val.shape[-1]
+    return ctx.options.batch_selection == "union" and rows > 1
+
+
 def _call(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
     node = graph.call_function(target, args)
     set_val(node, fake_mode)
@@ -257,7 +266,8 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
             w2_t = _call(graph, fake_mode, torch.ops.aten.t.default, down.weight_node)
             idx = _call(graph, fake_mode, OPS.select_gate.default, first.node, block.act, plan.k)
             out = _call(graph, fake_mode, OPS.sparse_mlp_gated.default, block.input, idx,
-                        first.node, up_w, w2_t, down.bias_node, block.act)
+                        first.node, up_w, w2_t, down.bias_node, block.act,
+                        _union(ctx, block.input))
         _tag(block.layer, plan, idx, out)
         down.node.replace_all_uses_with(out)
         _erase_dead(graph, [down.node, *block.chain])
@@ -275,7 +285,8 @@ def _rewrite_mlp(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
             idx = _call(graph, fake_mode, OPS.select_predictor.default, block.input,
                         w1, b1, w2, b2, plan.activation, plan.k, 1, plan.buckets)
         out = _call(graph, fake_mode, OPS.sparse_mlp.default, block.input, idx,
-                    first.weight_node, first.bias_node, up_w, w2_t, down.bias_node, block.act)
+                    first.weight_node, first.bias_node, up_w, w2_t, down.bias_node, block.act,
+                    _union(ctx, block.input))
     _tag(block.layer, plan, idx, out)
     down.node.replace_all_uses_with(out)
     _erase_dead(graph, [down.node, *block.chain])
@@ -296,14 +307,14 @@ def _rewrite_mlp_threshold(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
         for lin in [block.first] + ([block.up] if block.up is not None else []):
             w_t = _call(graph, fake_mode, torch.ops.aten.t.default, lin.weight_node)
             y = _call(graph, fake_mode, OPS.sparse_head_out.default, block.input, ix, w_t,
-                      lin.bias_node, 1)
+                      lin.bias_node, 1, _union(ctx, block.input))
             _tag(block.layer, plan, y)
             lin.node.replace_all_uses_with(y)
     with graph.inserting_before(block.down.node):
         ih = _call(graph, fake_mode, OPS.select_magnitude.default, hidden, plan.k)
         w_t = _call(graph, fake_mode, torch.ops.aten.t.default, block.down.weight_node)
         out = _call(graph, fake_mode, OPS.sparse_head_out.default, hidden, ih, w_t,
-                    block.down.bias_node, 1)
+                    block.down.bias_node, 1, _union(ctx, hidden))
     _tag(block.layer, plan, ih, out)
     block.down.node.replace_all_uses_with(out)
     linears = [block.first.node, block.down.node] + ([block.up.node] if block.up else [])
@@ -327,7 +338,7 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
                             w1, b1, w2, b2, plan.activation, plan.k, plan.group,
                             plan.buckets)
             q_new = _call(graph, fake_mode, OPS.sparse_head_proj.default, block.input, idx,
-                          q.weight_node, q.bias_node, hd)
+                          q.weight_node, q.bias_node, hd, _union(ctx, block.input))
         _tag(block.layer, plan, idx, q_new)
         q.node.replace_all_uses_with(q_new)
         graph.erase_node(q.node)
@@ -337,7 +348,7 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
             idx = _call(graph, fake_mode, OPS.select_heads_oracle.default, o.input, wo_t, hd,
                         plan.k, plan.group)
         o_new = _call(graph, fake_mode, OPS.sparse_head_out.default, o.input, idx, wo_t,
-                      o.bias_node, hd)
+                      o.bias_node, hd, _union(ctx, o.input))
     _tag(block.layer, plan, idx, o_new)
     o.node.replace_all_uses_with(o_new)
     graph.erase_node(o.node)

@@ -125,6 +125,35 @@ def test_transposed_views_read_as_contiguous(dtype, gated):
                                **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k", [3, 20, 45])  # union with padding, overlapping, all units
+def test_union_selection_kernels(dtype, k):
+    """``union``: one id row shared by the batch (row stride 0), -1 padding skipped; against
+    the reference's union."""
+    d, n, d_out, batch = 37, 45, 29, 3
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
+    w_up, b1 = _rand(n, d, dtype=dtype, seed=4), _rand(n, dtype=dtype, seed=3)
+    g = _rand(batch, 1, n, dtype=dtype, seed=6)
+    idx = _selection(batch, n, k).view(batch, 1, k)
+    hidx = _selection(batch, 6, 1 if k == 3 else 4).view(batch, 1, -1)
+    attn, wq = _rand(batch, 1, 6 * 8, dtype=dtype, seed=5), _rand(6 * 8, d, dtype=dtype, seed=7)
+    wo_t = _rand(6 * 8, d, dtype=dtype, seed=8)
+    calls = [
+        (sparse_mlp.sparse_mlp, ref.sparse_mlp, (x, idx, w1, b1, None, w2_t, None, "gelu")),
+        (sparse_mlp.sparse_mlp, ref.sparse_mlp, (x, idx, w1, None, w_up, w2_t, None, "silu")),
+        (sparse_mlp.sparse_mlp_gated, ref.sparse_mlp_gated, (x, idx, g, w_up, w2_t, None, "silu")),
+        (heads.sparse_head_proj, ref.sparse_head_proj, (x, hidx, wq, None, 8)),
+        (heads.sparse_head_out, ref.sparse_head_out, (attn, hidx, wo_t, None, 8)),
+    ]
+    for kernel, reference, args in calls:
+        got = kernel(*args, union=True)
+        torch.testing.assert_close(got.double(), _ref64(reference, *args, union=True),
+                                   **TOL[dtype])
+        if k < n:  # the union is not each row's own selection
+            assert not torch.allclose(got, kernel(*args)), kernel.__name__
+
+
 @pytest.fixture
 def deterministic_mode():
     """``torch.use_deterministic_algorithms(True)`` for one test (warn only: cuBLAS and the like

@@ -79,6 +79,46 @@ def test_head_projection_and_output_equal_masked_dense(heads, k, head_dim):
     torch.testing.assert_close(o, want, **TOL[torch.float32])
 
 
+def test_union_ids_are_the_rows_union_padded():
+    sel = torch.tensor([[1, 4, 7], [4, 5, 9], [1, 5, 7]])
+    union = ref.union_ids(sel.view(3, 1, 3), 12)
+    assert union.shape == (1, 9)  # min(12 units, 3 rows x 3)
+    assert union.tolist() == [[1, 4, 5, 7, 9, -1, -1, -1, -1]]
+    full = ref.union_ids(torch.tensor([[0, 1], [2, 3]]), 4)
+    assert full.tolist() == [[0, 1, 2, 3]]  # no room left for padding
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_union_selection_equals_dense_masked_by_the_union(gated):
+    """With ``union`` every row computes the neurons (heads) any row selected: the dense
+    computation masked by the union of the rows' selections, the same mask for all rows."""
+    d, n, d_out, batch, k = 16, 40, 12, 3, 6
+    x = _rand(batch, 1, d)
+    w1, b1 = _rand(n, d, seed=1), None if gated else _rand(n, seed=2)
+    w_up = _rand(n, d, seed=3) if gated else None
+    w2_t, b2 = _rand(n, d_out, seed=4), _rand(d_out, seed=5)
+    sel = _random_selection(batch, n, k)
+    union = _mask(sel, n).amax(0, keepdim=True)
+    h = ref.mlp_hidden(x, w1, b1, w_up, "silu") * union
+    out = OPS.sparse_mlp(x, sel.view(batch, 1, k), w1, b1, w_up, w2_t, b2, "silu", True)
+    torch.testing.assert_close(out.view(batch, d_out), h @ w2_t + b2, **TOL[torch.float32])
+    if gated:
+        g = (x.view(batch, d) @ w1.t()).view(batch, 1, n)
+        out = OPS.sparse_mlp_gated(x, sel.view(batch, 1, k), g, w_up, w2_t, b2, "silu", True)
+        torch.testing.assert_close(out.view(batch, d_out), h @ w2_t + b2, **TOL[torch.float32])
+    heads, head_dim = 5, 4
+    hsel = _random_selection(batch, heads, 1, seed=3)
+    hmask = _mask(hsel, heads).amax(0, keepdim=True).repeat_interleave(head_dim, dim=1)
+    wq, bq = _rand(heads * head_dim, d, seed=6), _rand(heads * head_dim, seed=7)
+    q = OPS.sparse_head_proj(x, hsel.view(batch, 1, 1), wq, bq, head_dim, True)
+    torch.testing.assert_close(q.view(batch, -1), (x.view(batch, d) @ wq.t() + bq) * hmask,
+                               **TOL[torch.float32])
+    attn, wo_t = _rand(batch, 1, heads * head_dim, seed=8), _rand(heads * head_dim, d, seed=9)
+    o = OPS.sparse_head_out(attn, hsel.view(batch, 1, 1), wo_t, None, head_dim, True)
+    torch.testing.assert_close(o.view(batch, d), (attn.view(batch, -1) * hmask) @ wo_t,
+                               **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("group", [1, 2, 3])
 def test_head_oracle_ranks_by_output_norm(group):
     heads, head_dim, d = 6, 4, 10

@@ -287,12 +287,44 @@ def test_graph_break_each_graph_rewritten(tiny):
 def test_batch_decode_is_per_row(tiny):
     model = tiny("qwen2")
     ids = prompt(batch=3)
-    opts = {"selector": "oracle", "mlp_density": 0.3, "attention_density": 0.5}
+    opts = {"selector": "oracle", "mlp_density": 0.3, "attention_density": 0.5,
+            "batch_selection": "row"}
     with torch.no_grad():
         compiled = torch.compile(model, backend="dejavu", options=opts)
         batched = _decode_logits(compiled, ids)
         rows = torch.cat([_decode_logits(compiled, ids[i : i + 1]) for i in range(3)])
     torch.testing.assert_close(batched, rows, **FP32)
+
+
+def test_batch_decode_takes_the_union(tiny):
+    """The default for a batch: every sparse op of the decode graph computes the union of the
+    rows' selections. Rows that are the same sequence select the same units, so their union is
+    each one's selection (the rest padding) and the batch decodes as one row alone; rows that
+    differ get more units than alone."""
+    model = tiny("qwen2")
+    opts = {"selector": "oracle", "mlp_density": 0.3, "attention_density": 0.5}
+    backend, graphs = _capture(opts)
+    same, ids = prompt().expand(3, -1), prompt(batch=3)
+    with torch.no_grad():
+        one = _decode_logits(torch.compile(model, backend="dejavu", options=opts), same[:1])
+        torch._dynamo.reset()
+        _decode_logits(torch.compile(model, backend=backend), ids, steps=1)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="dejavu", options=opts)
+        torch.testing.assert_close(_decode_logits(compiled, same), one.expand(3, -1, -1), **FP32)
+        union = _decode_logits(compiled, ids)
+        rows = torch.cat([_decode_logits(compiled, ids[i : i + 1]) for i in range(3)])
+    assert not torch.allclose(union, rows, atol=1e-4)
+    decode = [gm for gm, ctx in graphs if ctx.discovery.tokens == 1]
+    sparse = [n for gm in decode for n in gm.graph.nodes
+              if n.op == "call_function" and str(n.target).startswith("dejavu.sparse_")]
+    assert sparse and all(_union_flag(n) for n in sparse)
+
+
+def _union_flag(node) -> bool:
+    schema = node.target._schema
+    position = [a.name for a in schema.arguments].index("union")
+    return node.args[position]
 
 
 def test_split_graph_without_layer_names_refuses_a_profile(tiny, tmp_path):
