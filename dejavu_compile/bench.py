@@ -149,6 +149,54 @@ def _mlp_sweep(name: str, cfg, densities, dtype) -> list[dict]:
     return rows
 
 
+BATCH = 8  # the batch of the union-selection rows of the kernel sweep
+BATCH_DENSITIES = (0.1, 0.5)
+
+
+def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
+                     densities=BATCH_DENSITIES) -> list[dict]:
+    """The sparse MLP for ``batch`` rows, each with its own random selection: union selection
+    (one id list read for all rows) against per-row selection, and cuBLAS dense on the batch.
+    Bytes: the union's rows once (union), each row's own rows (per row)."""
+    from dejavu_compile.kernels import sparse_mlp
+    from dejavu_compile.kernels.reference import union_ids
+
+    act = "relu" if cfg.model_type == "opt" else "silu"
+    sets, d, n, gated = _mlp_weights(cfg, dtype)
+    x = torch.randn(batch, 1, d, device="cuda", dtype=dtype)
+    dense_w2 = [w2_t.t().contiguous() for _, _, w2_t in sets]
+    per_row = (3 if gated else 2) * d * (torch.finfo(dtype).bits // 8)  # bytes of one neuron
+
+    def dense_mlp(i):
+        w1, w_up, _ = sets[i]
+        h = F.silu(F.linear(x, w1)) * F.linear(x, w_up) if gated else F.relu(F.linear(x, w1))
+        return F.linear(h, dense_w2[i])
+
+    dense_ms = _time_layers(dense_mlp, LAYERS)
+    rows = []
+    for density in densities:
+        k = max(1, round(density * n))
+        idx = torch.stack([torch.randperm(n, device="cuda")[:k].sort().values
+                           for _ in range(batch)]).view(batch, 1, k)
+        united = int((union_ids(idx, n) >= 0).sum())
+        for mode, union, nbytes in (("union", True, united * per_row),
+                                    ("row", False, batch * k * per_row)):
+            def sparse(i, idx=idx, union=union):
+                w1, w_up, w2_t = sets[i]
+                return sparse_mlp.sparse_mlp(x, idx, w1, None, w_up, w2_t, None, act, union)
+
+            ours = _time_layers(sparse, LAYERS)
+            rows.append({
+                "model": name, "block": f"mlp batch {batch} {mode}", "density": density,
+                "k": k, "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
+                "naive_ms": float("nan"), "dense_ms": dense_ms[0],
+                "bytes": nbytes, "dense_bytes": n * per_row,
+                "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9,
+                "dense_gbs": n * per_row / (dense_ms[0] * 1e-3) / 1e9,
+            })
+    return rows
+
+
 def _attention_out_sweep(name, cfg, densities, dtype) -> list[dict]:
     """The output projection over selected heads, against cuBLAS dense."""
     from dejavu_compile.kernels import heads
@@ -219,8 +267,8 @@ def _selector_sweep(name, cfg, densities, dtype, rank: int = 128) -> list[dict]:
 
 @torch.no_grad()
 def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16) -> list[dict]:
-    """Rows of the kernel table for one model shape: MLP, attention output projection, and the
-    learned selectors."""
+    """Rows of the kernel table for one model shape: MLP, attention output projection, the
+    learned selectors, and the MLP of a batch with union and per-row selection."""
     rows = _mlp_sweep(name, cfg, densities, dtype)
     gc.collect()
     torch.cuda.empty_cache()
@@ -228,6 +276,9 @@ def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16) -> li
     gc.collect()
     torch.cuda.empty_cache()
     rows += _selector_sweep(name, cfg, densities, dtype)
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows += _mlp_batch_sweep(name, cfg, dtype)
     gc.collect()
     torch.cuda.empty_cache()
     return rows
