@@ -121,6 +121,21 @@ def test_predictor_recovers_a_planted_pattern():
     assert random_recall < 0.6
 
 
+def test_importance_weights():
+    """Loss weights: the floor plus |h| x the down column's norm over the token's mean, capped;
+    a token whose activations overflowed gets plain weights."""
+    h = torch.tensor([[1.0, 3.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [float("inf"), 1.0, 0.0, 0.0]])
+    norms = torch.tensor([1.0, 1.0, 2.0, 2.0])
+    w = cal.importance_weights(h, norms)
+    floor = cal.IMPORTANCE_FLOOR
+    torch.testing.assert_close(w[0], torch.tensor([1.0, 3.0, 0.0, 0.0]) + floor)  # mean 1
+    torch.testing.assert_close(w[1], torch.tensor([2 / 3, 2 / 3, 4 / 3, 4 / 3]) + floor)
+    torch.testing.assert_close(w[2], torch.full((4,), 1.0 + floor))
+    spike = torch.ones(1, 32)
+    spike[0, 0] = 1e6  # about 32 times the mean
+    assert cal.importance_weights(spike, torch.ones(32)).max() == floor + cal.IMPORTANCE_CAP
+
+
 def test_allocation_meets_the_budget_and_prefers_insensitive_layers():
     steps = cal.DENSITY_STEPS
     errors = {0: {s: 0.0 for s in steps}, 1: {s: 1.0 - s for s in steps},

@@ -113,6 +113,9 @@ def test_policies_share_one_prefill_and_decode_as_alone(tiny):
         assert together[policy][1].kept_tokens == sel.kept_tokens
     with pytest.raises(ValueError, match="KV policy must be one of"):
         kv.generate_policies(model, ids, 2, ("dense", "random"))
+    # the default is the per-layer selection (the admissible one on the retrieval trials)
+    default, sel = kv.generate(model, ids, 5, keep=0.5)
+    assert sel.policy == "shared" and torch.equal(default, together["shared"][0])
 
 
 def test_kv_selection_composes_with_projection_sparsity(tiny):
