@@ -63,7 +63,7 @@ def _calibrate(args) -> int:
                               target_density=args.target_density, rank=args.rank,
                               epochs=args.epochs, cache_dir=args.cache,
                               lookahead=args.lookahead, selectors=tuple(args.selectors),
-                              bucket_units=args.bucket_units)
+                              bucket_units=args.bucket_units, weighted_loss=args.weighted_loss)
     for layer in cal.profile.layers:
         q = cal.quality.get(layer.index, {})
         line = f"layer {layer.index:>2}: MLP {layer.mlp.selector:<9} density {layer.mlp.density:.2f}"
@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-units", type=int, default=BUCKET_UNITS,
                    help="predictors take their top-k per bucket of at most this many neurons "
                         "(one GPU launch ranks them); 0 takes one top-k over all neurons")
+    p.add_argument("--weighted-loss", action="store_true",
+                   help="weight each neuron's term of the predictors' loss by its importance "
+                        "(|h| times its down-projection column's norm)")
     p.set_defaults(fn=_calibrate)
 
     p = sub.add_parser("eval", help="perplexity and agreement: dense, oracle, profile")

@@ -105,7 +105,8 @@ def test_calibration_keeps_the_best_blend(tiny, tmp_path):
             assert layer.mlp.recall is not None
 
 
-def test_predictor_recovers_a_planted_pattern():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_predictor_recovers_a_planted_pattern(weighted):
     gen = torch.Generator().manual_seed(0)
     d, n, tokens = 32, 64, 4096
     mixing = torch.randn(n, 4, generator=gen) @ torch.randn(4, d, generator=gen)  # rank 4
@@ -114,11 +115,34 @@ def test_predictor_recovers_a_planted_pattern():
     h = torch.exp(0.3 * x @ mixing.t())
     down = torch.nn.Linear(n, d)
     trace = cal.MLPTrace(0, x.half(), h.half(), torch.nn.Linear(d, n), None, down, "relu")
-    pred, quality = cal.train_predictor(trace, rank=8, epochs=8)
+    pred, quality = cal.train_predictor(trace, rank=8, epochs=8, weighted=weighted)
     assert quality["recall"] >= 0.9, quality["recall"]
+    if weighted:  # the weights change what is learned
+        plain, _ = cal.train_predictor(trace, rank=8, epochs=8)
+        assert not torch.equal(pred.w2.weight, plain.w2.weight)
     # A random ranking scores about the density itself.
     random_recall = cal.recall_at(torch.randn(tokens, n, generator=gen), h.float(), n // 2)
     assert random_recall < 0.6
+
+
+def test_cli_passes_the_weighted_loss_option(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from dejavu_compile import cli, models
+
+    seen = {}
+
+    def fake_calibrate(model, ids, name, out, **kw):
+        seen.update(kw)
+        raise KeyboardInterrupt  # stop before the report
+
+    loaded = SimpleNamespace(model=None, name="m", encode=lambda text, n: torch.ones(1, 300))
+    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    monkeypatch.setattr(cal, "calibrate", fake_calibrate)
+    for flag, want in (([], False), (["--weighted-loss"], True)):
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(["calibrate", "m", "--out", str(tmp_path / "p.yaml"), *flag])
+        assert seen["weighted_loss"] is want
 
 
 def test_importance_weights():
