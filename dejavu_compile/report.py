@@ -191,7 +191,7 @@ class CompileReport:
             lines.append(
                 f"  byte account: projection sparsity saves {gate['projection_saves'] * mb:.2f} "
                 f"MiB per token, KV selection at keep {gate['kv_keep']} saves "
-                f"{(1 - gate['kv_keep']) * gate['kv_bytes_per_token']} B per context token; "
+                f"{(1 - gate['kv_keep']) * gate['kv_bytes_per_token']:,.0f} B per context token; "
                 + (f"they cross at {cross:,} tokens" if cross is not None else "no crossover"))
             lines.append("  dispatch by bytes: " + ", ".join(
                 f"{n:,} tokens -> {mode}" for n, mode in gate["choices"].items()))

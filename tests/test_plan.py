@@ -98,3 +98,4 @@ def test_compile_report_shows_the_gate(tiny):
                           bandwidth=1e12)
     assert costly["choices"][10**6] == "kv"
     assert "dispatch by bytes" in str(rep) and "they cross at" in str(rep)
+    assert "keep 0.3 saves 358 B per context token" in str(rep)  # 0.7 x 512, rounded
