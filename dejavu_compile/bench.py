@@ -103,6 +103,19 @@ def _mlp_weights(cfg, dtype):
     return sets, d, n, gated
 
 
+def _dense_mlp(sets, gated: bool, x):
+    """``i -> `` the dense MLP of weight set ``i`` on ``x`` through cuBLAS (the down projection
+    copied to the [d, n] row-major layout cuBLAS reads)."""
+    dense_w2 = [w2_t.t().contiguous() for _, _, w2_t in sets]
+
+    def run(i):
+        w1, w_up, _ = sets[i]
+        h = F.silu(F.linear(x, w1)) * F.linear(x, w_up) if gated else F.relu(F.linear(x, w1))
+        return F.linear(h, dense_w2[i])
+
+    return run
+
+
 def _mlp_sweep(name: str, cfg, densities, dtype) -> list[dict]:
     """The fused sparse MLP against cuBLAS dense and PyTorch's index-then-multiply."""
     from dejavu_compile.kernels import sparse_mlp
@@ -110,16 +123,9 @@ def _mlp_sweep(name: str, cfg, densities, dtype) -> list[dict]:
     act = "relu" if cfg.model_type == "opt" else "silu"
     sets, d, n, gated = _mlp_weights(cfg, dtype)
     x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
-    dense_w2 = [w2_t.t().contiguous() for _, _, w2_t in sets]  # cuBLAS reads [d, n] row-major
     esize = torch.finfo(dtype).bits // 8
     rows = []
-
-    def dense_mlp(i):
-        w1, w_up, _ = sets[i]
-        h = F.silu(F.linear(x, w1)) * F.linear(x, w_up) if gated else F.relu(F.linear(x, w1))
-        return F.linear(h, dense_w2[i])
-
-    dense_ms = _time_layers(dense_mlp, LAYERS)
+    dense_ms = _time_layers(_dense_mlp(sets, gated, x), LAYERS)
     dense_bytes = (3 if gated else 2) * n * d * esize
     for density in densities:
         k = max(1, round(density * n))
@@ -164,15 +170,8 @@ def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
     act = "relu" if cfg.model_type == "opt" else "silu"
     sets, d, n, gated = _mlp_weights(cfg, dtype)
     x = torch.randn(batch, 1, d, device="cuda", dtype=dtype)
-    dense_w2 = [w2_t.t().contiguous() for _, _, w2_t in sets]
     per_row = (3 if gated else 2) * d * (torch.finfo(dtype).bits // 8)  # bytes of one neuron
-
-    def dense_mlp(i):
-        w1, w_up, _ = sets[i]
-        h = F.silu(F.linear(x, w1)) * F.linear(x, w_up) if gated else F.relu(F.linear(x, w1))
-        return F.linear(h, dense_w2[i])
-
-    dense_ms = _time_layers(dense_mlp, LAYERS)
+    dense_ms = _time_layers(_dense_mlp(sets, gated, x), LAYERS)
     rows = []
     for density in densities:
         k = max(1, round(density * n))

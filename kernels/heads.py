@@ -79,15 +79,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
-def _partials(det: bool, splits: int, n_rows: int, n: int, device, zero: bool) -> torch.Tensor:
-    """[S, R, n] fp32 targets of partial sums: one zeroed slot the atomics add into, or in
-    deterministic mode ``splits`` slots, one per program along the kernel's split."""
-    if not det:
-        return torch.zeros(1, n_rows, n, device=device, dtype=torch.float32)
-    return (torch.zeros if zero else torch.empty)(splits, n_rows, n, device=device,
-                                                   dtype=torch.float32)
-
-
 def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_proj``: [..., d] -> [..., H * head_dim]."""
     tc.check_dtype("sparse_head_proj", x, w, b)
@@ -96,8 +87,8 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     j, d = sel.shape[1] * head_dim, rows.shape[1]
     det = tc.deterministic()
     # the rows of unselected heads stay zero
-    parts = _partials(det, triton.cdiv(d, tc.TILE_FIXED["BLOCK_D"]), rows.shape[0], w.shape[0],
-                      x.device, zero=True)
+    parts = tc.partials(det, tc.tile_slots(d), rows.shape[0], w.shape[0], device=x.device,
+                        zero=True)
     tc.launch(_head_proj_kernel,
               lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"])),
               rows, sel, w, b if b is not None else w, parts[0],
@@ -105,8 +96,7 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
               rows.stride(0), tc.idx_stride(sel), w.stride(0), parts.stride(1),
               parts.stride(0) if det else 0,
               HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_FIXED if det else None)
-    out = parts.sum(0) if det else parts[0]
-    return tc.finish(out, None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> torch.Tensor:
@@ -116,8 +106,7 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     det = tc.deterministic()
-    splits = triton.cdiv(j, tc.REDUCE_FIXED["BLOCK_N"] * tc.REDUCE_FIXED["TILES"])
-    parts = _partials(det, splits, rows.shape[0], d_out, attn.device, zero=False)
+    parts = tc.partials(det, tc.reduce_slots(j), rows.shape[0], d_out, device=attn.device)
     tc.launch(_head_out_kernel,
               lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
                          triton.cdiv(d_out, m["BLOCK_D"])),
@@ -126,5 +115,4 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
               rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1), parts.stride(1),
               parts.stride(0) if det else 0,
               ATOMIC=not det, fixed=tc.REDUCE_FIXED if det else None)
-    out = parts.sum(0) if det else parts[0]
-    return tc.finish(out, b, attn.dtype).reshape(*attn.shape[:-1], d_out)
+    return tc.finish(tc.total(parts, det), b, attn.dtype).reshape(*attn.shape[:-1], d_out)

@@ -35,9 +35,13 @@ from .triton_common import (
     finish,
     idx_stride,
     launch,
+    partials,
     reduce_configs,
+    reduce_slots,
     selection,
     tile_configs,
+    tile_slots,
+    total,
 )
 
 
@@ -113,18 +117,15 @@ def _down_kernel(
 
 def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device,
              zero_pre: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 targets of the partial sums, pre-activations [S, n_pre, R, k] and output
-    [S', R, d_out]: with atomics one slot each (S = S' = 1), both in one zeroed buffer (one
-    launch); in deterministic mode a slot per program along each kernel's split."""
+    """fp32 targets of the partial sums (``triton_common.partials``), pre-activations
+    [S, n_pre, R, k] and output [S', R, d_out]; with atomics both share one zeroed buffer (one
+    launch)."""
     if not det:
         buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=device, dtype=torch.float32)
         return (buf[: n_pre * n_rows * k].view(1, n_pre, n_rows, k),
                 buf[n_pre * n_rows * k:].view(1, n_rows, d_out))
-    s_up = triton.cdiv(d, TILE_FIXED["BLOCK_D"])
-    s_down = triton.cdiv(k, REDUCE_FIXED["BLOCK_N"] * REDUCE_FIXED["TILES"])
-    pre = (torch.zeros if zero_pre else torch.empty)(s_up, n_pre, n_rows, k, device=device,
-                                                      dtype=torch.float32)
-    return pre, torch.empty(s_down, n_rows, d_out, device=device, dtype=torch.float32)
+    return (partials(True, tile_slots(d), n_pre, n_rows, k, device=device, zero=zero_pre),
+            partials(True, reduce_slots(k), n_rows, d_out, device=device))
 
 
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
@@ -167,9 +168,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) ->
     det, gated = deterministic(), w_up is not None
     pre, out = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device)
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
-    _launch_down(pre.sum(0) if det else pre[0], sel, b1, w2_t, out, act, gated, det)
-    out = out.sum(0) if det else out[0]
-    return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)
+    _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det)
+    return finish(total(out, det), b2, x.dtype).reshape(*x.shape[:-1], d_out)
 
 
 def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:
@@ -194,6 +194,5 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -
     torch.gather(g.reshape(n_rows, -1).float(), 1, sel.clamp_min(0).expand(n_rows, -1),
                  out=pre[0, 0])
     _launch_up(rows, sel, w_up, w_up, pre[0, 1], pre[0, 1], pre, False, det)
-    _launch_down(pre.sum(0) if det else pre[0], sel, None, w2_t, out, act, True, det)
-    out = out.sum(0) if det else out[0]
-    return finish(out, b2, x.dtype).reshape(*x.shape[:-1], d_out)
+    _launch_down(total(pre, det), sel, None, w2_t, out, act, True, det)
+    return finish(total(out, det), b2, x.dtype).reshape(*x.shape[:-1], d_out)

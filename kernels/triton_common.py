@@ -37,6 +37,31 @@ def deterministic() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+def partials(det: bool, splits: int, *shape: int, device, zero: bool = False) -> torch.Tensor:
+    """``[S, *shape]`` fp32 targets of a kernel's partial sums: with atomics one zeroed slot
+    (S = 1) they all add into; in deterministic mode ``splits`` slots, one per program along the
+    kernel's split, zeroed when ``zero`` (programs that leave part of their slot unwritten)."""
+    if not det:
+        return torch.zeros(1, *shape, device=device, dtype=torch.float32)
+    return (torch.zeros if zero else torch.empty)(splits, *shape, device=device,
+                                                   dtype=torch.float32)
+
+
+def tile_slots(d: int) -> int:
+    """Programs along ``d`` of a tile kernel run with ``TILE_FIXED`` (its slots of partials)."""
+    return triton.cdiv(d, TILE_FIXED["BLOCK_D"])
+
+
+def reduce_slots(k: int) -> int:
+    """Programs along ``k`` selected rows of a reducing kernel run with ``REDUCE_FIXED``."""
+    return triton.cdiv(k, REDUCE_FIXED["BLOCK_N"] * REDUCE_FIXED["TILES"])
+
+
+def total(parts: torch.Tensor, det: bool) -> torch.Tensor:
+    """The sum of ``partials``: the ordered sum of the slots, or the one slot of the atomics."""
+    return parts.sum(0) if det else parts[0]
+
+
 def selection(idx: torch.Tensor, n_rows: int, units: int, union: bool) -> torch.Tensor:
     """The ids the kernels read: each row's ``[R, k]``, or with ``union`` and more than one row
     the batch's union ``[1, S]`` (``reference.union_ids``, -1 padded) that every row reads."""
