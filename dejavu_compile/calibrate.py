@@ -197,12 +197,13 @@ def importance_weights(h_abs: torch.Tensor, down_norms: torch.Tensor) -> torch.T
 
 
 def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
-                    held_out: float = 0.1, buckets: int = 1,
-                    weighted: bool = False) -> tuple[Predictor, dict]:
+                    held_out: float = 0.1, buckets: int = 1, weighted: bool = False,
+                    keep_by=None) -> tuple[Predictor, dict]:
     """Train a predictor of the top-``TRAIN_DENSITY`` neurons of ``trace`` with a binary loss
     (with ``weighted``, each neuron's term weighted by its importance: ``importance_weights``);
-    keep the epoch with the best held-out recall (of its selection per bucket). Returns it and
-    its quality."""
+    keep the epoch with the best held-out recall (of its selection per bucket), or the highest
+    ``keep_by(scores, val)`` (held-out scores and the held-out token indices) when given.
+    Returns it and its quality."""
     torch.manual_seed(seed)
     x, target = trace.x.float(), trace.h.float().abs()
     n_val = max(1, int(held_out * x.shape[0]))
@@ -218,7 +219,7 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
     pred = Predictor(x.shape[1], rank, units)
     opt = torch.optim.Adam(pred.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
-    best, best_state = -1.0, None
+    best, best_recall, best_state = -float("inf"), -1.0, None
     xs = (x - mean) / std
     for _ in range(epochs):
         pred.train()
@@ -231,9 +232,12 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
         sched.step()
         pred.eval()
         with torch.no_grad():
-            r = recall_at(pred(xs[val]), target[val], k, buckets)
-        if r > best:
-            best, best_state = r, {n: t.clone() for n, t in pred.state_dict().items()}
+            scores = pred(xs[val])
+            r = recall_at(scores, target[val], k, buckets)
+            score = r if keep_by is None else keep_by(scores, val)
+        if score > best:
+            best, best_recall = score, r
+            best_state = {n: t.clone() for n, t in pred.state_dict().items()}
     pred.load_state_dict(best_state)
     with torch.no_grad():  # fold the standardisation into the first layer
         pred.w1.bias -= (pred.w1.weight * (mean / std)).sum(1)
@@ -242,7 +246,7 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
         k_pred = top_mask(scores, k, buckets)
         truth = top_mask(target[val], k)
         precision = (k_pred & truth).sum().item() / max(1, k_pred.sum().item())
-    return pred, {"recall": best, "precision": precision, "val_x": x[val], "val_h": trace.h[val],
+    return pred, {"recall": best_recall, "precision": precision, "val_x": x[val], "val_h": trace.h[val],
                   "buckets": buckets}
 
 

@@ -5,8 +5,9 @@ binary loss and one trained with ``calibrate.importance_weights`` (the calibrato
 
     python examples/loss_weighting_study.py [--layers 4 16 26] [--tokens 16384]
 
-Each predictor keeps the epoch with the lowest held-out error (rank 128, 12 epochs, one top-k
-over all neurons); recall of the true top half is printed beside it.
+Each predictor is ``calibrate.train_predictor``'s (rank 128, 12 epochs, one top-k over all
+neurons), keeping the epoch with the lowest held-out error; recall of the true top half is
+printed beside it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from dejavu_compile import calibrate as cal
 from dejavu_compile.models import documentation_text, load_model
@@ -26,33 +26,6 @@ def output_error(h, keep, down_w) -> float:
     return ((y - kept).norm(dim=1) / y.norm(dim=1)).mean().item()
 
 
-def train(x, h, down_w, tr, val, weighted: bool, rank=128, epochs=12):
-    torch.manual_seed(0)
-    k, h_abs = h.shape[1] // 2, h.abs()
-    labels = cal.top_mask(h_abs, k).float()
-    weights = cal.importance_weights(h_abs, down_w.norm(dim=0)) if weighted else None
-    mean, std = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
-    xs = (x - mean) / std
-    pred = cal.Predictor(x.shape[1], rank, h.shape[1])
-    opt = torch.optim.Adam(pred.parameters(), lr=cal.LR)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
-    best = (float("inf"), 0.0)
-    for _ in range(epochs):
-        for b in tr[torch.randperm(len(tr))].split(cal.BATCH):
-            loss = F.binary_cross_entropy_with_logits(
-                pred(xs[b]), labels[b], weight=None if weights is None else weights[b])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        sched.step()
-        with torch.no_grad():
-            scores = pred(xs[val])
-            err = output_error(h[val], cal.top_mask(scores, k).float(), down_w)
-            if err < best[0]:
-                best = (err, cal.recall_at(scores, h_abs[val], k))
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 26])
@@ -62,15 +35,22 @@ def main() -> None:
     loaded = load_model("smollm2-135m")
     ids = loaded.encode(documentation_text("calibration"), args.tokens)
     for trace in cal.record(loaded.model, ids, layers=args.layers):
-        x, h = trace.x.float(), trace.h.float()
-        down_w = trace.down.weight.detach().float()
-        perm = torch.randperm(x.shape[0])
-        val, tr = perm[: x.shape[0] // 10], perm[x.shape[0] // 10:]
-        oracle = output_error(h[val], cal.top_mask(h[val].abs(), h.shape[1] // 2).float(), down_w)
-        row = [f"oracle {oracle:.3f}"]
+        h, down_w = trace.h.float(), trace.down.weight.detach().float()
+        k = h.shape[1] // 2
+        row = []
         for name, weighted in (("plain", False), ("importance-weighted", True)):
-            err, recall = train(x, h, down_w, tr, val, weighted)
-            row.append(f"{name} {err:.3f} (recall {recall:.3f})")
+            pred, quality = cal.train_predictor(
+                trace, 128, 12, weighted=weighted,  # the epoch with the lowest held-out error
+                keep_by=lambda scores, val, h=h, k=k, down_w=down_w: -output_error(
+                    h[val], cal.top_mask(scores, k).float(), down_w))
+            val_h = quality["val_h"].float()
+            if not row:  # the oracle on the same held-out tokens
+                oracle = output_error(val_h, cal.top_mask(val_h.abs(), k).float(), down_w)
+                row.append(f"oracle {oracle:.3f}")
+            with torch.no_grad():
+                kept = cal.top_mask(pred(quality["val_x"]), k).float()
+            row.append(f"{name} {output_error(val_h, kept, down_w):.3f} "
+                       f"(recall {quality['recall']:.3f})")
         print(f"layer {trace.layer}: " + ", ".join(row), flush=True)
 
 
