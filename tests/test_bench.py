@@ -77,14 +77,14 @@ def test_markdown_has_every_section():
                      "pct_copy": 25.0, "dense_ms": 0.1, "naive_ms": 0.02}],
         "e2e": [{"model": "m", "mode": mode, "ms_per_token": 5.0, "p20": 4.9, "p80": 5.1,
                  "bytes_per_token": 1e9, "floor_ms": 0.25, "peak_gib": 1.0, "host_ms": 1.5,
-                 "operating_point": point,
+                 "pipelined_ms": 4.5, "operating_point": point,
                  **({"breakdown": [{"kernel": "k|1", "us_per_step": 3.0, "calls_per_step": 2}]}
                     if mode == "dejavu_topk" else {})}
                 for mode in ("hf_compiled", "dejavu_topk")],
     }
     text = bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
     assert "commit `abc1234`" in text and "| m | mlp | 0.1 | 2 | 10.0 us" in text
-    assert "| m | hf_compiled |  | 5.00 (4.90-5.10) | 1.50 |" in text  # no operating point
+    assert "| m | hf_compiled |  | 5.00 (4.90-5.10) | 1.50 | 4.50 |" in text  # no operating point
     assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
     assert "GPU kernel time per decode step, m dejavu_topk" in text
     assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
