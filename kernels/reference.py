@@ -65,8 +65,8 @@ def union_ids(idx: torch.Tensor, units: int) -> torch.Tensor:
     shape and no host synchronisation, so it runs inside a captured decode step."""
     flat = idx.reshape(-1)
     size = min(units, flat.numel())
-    chosen = torch.zeros(units, dtype=torch.bool, device=idx.device)
-    chosen[flat] = True
+    # index_fill_ takes the value as a scalar: no host tensor to copy inside a CUDA graph capture
+    chosen = torch.zeros(units, dtype=torch.bool, device=idx.device).index_fill_(0, flat, True)
     order = torch.argsort((~chosen).to(torch.uint8), stable=True)[:size]  # chosen ids first
     slots = torch.arange(size, device=idx.device)
     return torch.where(slots < chosen.sum(), order, -1).view(1, size)
