@@ -12,6 +12,11 @@ BENCHMARKS.md):
    section 4.4), added into the fp32 output with atomics; each program first sums ``TILES``
    (autotuned) neuron tiles in registers, so fewer atomics meet on each output.
 
+A batch's union selection (one id row that every row reads) runs the same two steps in
+``_up_union_kernel`` and ``_down_union_kernel``: each program loads its weight tile once and
+multiplies it with a block of ``UNION_ROWS`` rows on the tensor cores, where the per-row kernels
+would read the tile once per row.
+
 Weights are never copied: the gather is fused into the matrix-vector products (section 4.4).
 Under ``torch.use_deterministic_algorithms(True)`` each program stores its partial sums in its
 own slot and one ordered sum adds them (``triton_common.deterministic``): bitwise reproducible.
@@ -26,12 +31,18 @@ import triton.language as tl
 
 from .triton_common import (
     ACT_CODES,
+    INTERPRET,
     REDUCE_FIXED,
     TILE_FIXED,
+    UNION_REDUCE_FIXED,
+    UNION_ROWS,
+    UNION_TILE_FIXED,
     add_partial,
     apply_act,
     check_dtype,
     deterministic,
+    dot_rows,
+    dot_split,
     finish,
     idx_stride,
     launch,
@@ -42,6 +53,8 @@ from .triton_common import (
     tile_configs,
     tile_slots,
     total,
+    union_reduce_configs,
+    union_tile_configs,
 )
 
 
@@ -115,8 +128,88 @@ def _down_kernel(
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
 
 
+@triton.autotune(configs=union_tile_configs(), key=["D", "K"],
+                 reset_to_zero=["pre_ptr", "up_out_ptr"])
+@triton.jit
+def _up_union_kernel(
+    x_ptr, idx_ptr, w1_ptr, wup_ptr, pre_ptr, up_out_ptr,
+    R, D, K,
+    stride_x, stride_w1, stride_wup, stride_pre, stride_part,
+    GATED: tl.constexpr, ATOMIC: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``_up_kernel`` for one id row shared by the batch: the tile (selected neurons x a slice
+    of d) is loaded once for a block of ``ROWS`` rows."""
+    pid_r, pid_n, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    mask_r = rows < R
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < K
+    neurons = tl.load(idx_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    tile = (neurons >= 0)[:, None] & mask_d[None, :]  # -1: union padding, no neuron
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs_d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
+    zero = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    out = pid_d * stride_part + rows[:, None] * stride_pre + offs_n[None, :]
+    mask = mask_r[:, None] & mask_n[None, :]
+    add_partial(pre_ptr + out, dot_rows(x.to(w.dtype), tl.trans(w), zero, IEEE), mask, ATOMIC)
+    if GATED:
+        u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile,
+                    other=0.0)
+        add_partial(up_out_ptr + out, dot_rows(x.to(u.dtype), tl.trans(u), zero, IEEE), mask,
+                    ATOMIC)
+
+
+@triton.autotune(configs=union_reduce_configs(), key=["DOUT", "K", "stride_w2o"],
+                 reset_to_zero=["out_ptr"])
+@triton.jit
+def _down_union_kernel(
+    pre_ptr, up_ptr, idx_ptr, b1_ptr, w2t_ptr, out_ptr,
+    R, DOUT, K,
+    stride_pre, stride_w2n, stride_w2o, stride_out, stride_part,
+    ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
+    IEEE: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+):
+    """``_down_kernel`` for one id row shared by the batch: each tile of ``W2_t`` is loaded
+    once and multiplied with the activations of a block of ``ROWS`` rows."""
+    pid_r, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    mask_r = rows < R
+    offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_o = offs_o < DOUT
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < K
+        neurons = tl.load(idx_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)
+        valid = neurons >= 0  # -1: past K or union padding
+        here = mask_r[:, None] & mask_n[None, :]
+        at = rows[:, None] * stride_pre + offs_n[None, :]
+        h = tl.load(pre_ptr + at, mask=here, other=0.0)
+        if HAS_B1:
+            h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)[None, :]
+        h = apply_act(h, ACT)
+        if GATED:
+            h = h * tl.load(up_ptr + at, mask=here, other=0.0)
+        h = tl.where(here & valid[None, :], h, 0.0)
+        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
+                     mask=valid[:, None] & mask_o[None, :], other=0.0)
+        acc = dot_split(h, w2, acc, IEEE)
+    add_partial(out_ptr + pid_n * stride_part + rows[:, None] * stride_out + offs_o[None, :],
+                acc, mask_r[:, None] & mask_o[None, :], ATOMIC)
+
+
+def _shared(sel: torch.Tensor, n_rows: int) -> bool:
+    """Whether the batch reads one shared id row (a union selection): the union kernels."""
+    return sel.shape[0] == 1 and n_rows > 1
+
+
 def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device,
-             zero_pre: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             zero_pre: bool = False, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 targets of the partial sums (``triton_common.partials``), pre-activations
     [S, n_pre, R, k] and output [S', R, d_out]; with atomics both share one zeroed buffer (one
     launch)."""
@@ -124,12 +217,32 @@ def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, dev
         buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=device, dtype=torch.float32)
         return (buf[: n_pre * n_rows * k].view(1, n_pre, n_rows, k),
                 buf[n_pre * n_rows * k:].view(1, n_rows, d_out))
+    reduce = UNION_REDUCE_FIXED if shared else REDUCE_FIXED
     return (partials(True, tile_slots(d), n_pre, n_rows, k, device=device, zero=zero_pre),
-            partials(True, reduce_slots(k), n_rows, d_out, device=device))
+            partials(True, reduce_slots(k, reduce), n_rows, d_out, device=device))
+
+
+def _ieee(*tensors) -> bool:
+    """Whether a union kernel's products run in fp32: an fp32 operand, or mixed dtypes; and
+    bf16 under the interpreter, whose ``tl.dot`` multiplies bf16 as raw integers (the GPU runs
+    of tests/test_kernels.py cover the bf16 tensor-core path)."""
+    dtypes = {t.dtype for t in tensors}
+    return torch.float32 in dtypes or len(dtypes) > 1 or (INTERPRET and torch.bfloat16 in dtypes)
 
 
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
     d, k, n_rows = rows.shape[1], sel.shape[1], rows.shape[0]
+    if _shared(sel, n_rows):
+        launch(_up_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
+                                            triton.cdiv(k, m["BLOCK_N"]),
+                                            triton.cdiv(d, m["BLOCK_D"])),
+               rows, sel, w, w_up, pre_target, up_target,
+               n_rows, d, k,
+               rows.stride(0), w.stride(0), w_up.stride(0), parts.stride(2),
+               parts.stride(0) if det else 0,
+               GATED=gated, ATOMIC=not det, IEEE=_ieee(rows, w, w_up), ROWS=UNION_ROWS,
+               fixed=UNION_TILE_FIXED if det else None)
+        return
     launch(_up_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"]),
                                   triton.cdiv(d, m["BLOCK_D"])),
            rows, sel, w, w_up, pre_target, up_target,
@@ -142,6 +255,17 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
     """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP)."""
     k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
+    if _shared(sel, n_rows):
+        launch(_down_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
+                                              triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                                              triton.cdiv(d_out, m["BLOCK_D"])),
+               pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
+               n_rows, d_out, k,
+               pre.stride(1), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
+               parts.stride(0) if det else 0,
+               ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
+               IEEE=_ieee(w2_t), ROWS=UNION_ROWS, fixed=UNION_REDUCE_FIXED if det else None)
+        return
     launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                                     triton.cdiv(d_out, m["BLOCK_D"])),
            pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
@@ -166,7 +290,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) ->
     sel = selection(idx, rows.shape[0], w1.shape[0], union)
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
-    pre, out = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device)
+    pre, out = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device,
+                        shared=_shared(sel, rows.shape[0]))
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det)
     return finish(total(out, det), b2, x.dtype).reshape(*x.shape[:-1], d_out)
@@ -189,7 +314,8 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -
     sel = selection(idx, n_rows, w_up.shape[0], union)
     k = sel.shape[1]
     # the gate's slots after the first stay zero, so the ordered sum keeps the gathered values
-    pre, out = _targets(det, 2, n_rows, k, d, d_out, x.device, zero_pre=det)
+    pre, out = _targets(det, 2, n_rows, k, d, d_out, x.device, zero_pre=det,
+                        shared=_shared(sel, n_rows))
     # the gate of each row at the ids (padding reads unit 0; the kernels skip it)
     torch.gather(g.reshape(n_rows, -1).float(), 1, sel.clamp_min(0).expand(n_rows, -1),
                  out=pre[0, 0])

@@ -21,6 +21,11 @@ QUICK_TUNE = os.environ.get("DEJAVU_QUICK_TUNE") == "1"
 TILE_FIXED = ({"BLOCK_N": 8, "BLOCK_D": 16, "num_warps": 1} if INTERPRET
               else {"BLOCK_N": 32, "BLOCK_D": 128, "num_warps": 4})
 REDUCE_FIXED = {**TILE_FIXED, "TILES": 2}
+# The kernels of a batch's union selection multiply each weight tile with a block of
+# ``UNION_ROWS`` rows at once (``tl.dot``: every tile dimension at least 16).
+UNION_ROWS = 16
+UNION_TILE_FIXED = {**TILE_FIXED, "BLOCK_N": max(16, TILE_FIXED["BLOCK_N"])}
+UNION_REDUCE_FIXED = {**UNION_TILE_FIXED, "TILES": 2}
 
 
 def _config(fixed: dict) -> triton.Config:
@@ -52,9 +57,9 @@ def tile_slots(d: int) -> int:
     return triton.cdiv(d, TILE_FIXED["BLOCK_D"])
 
 
-def reduce_slots(k: int) -> int:
-    """Programs along ``k`` selected rows of a reducing kernel run with ``REDUCE_FIXED``."""
-    return triton.cdiv(k, REDUCE_FIXED["BLOCK_N"] * REDUCE_FIXED["TILES"])
+def reduce_slots(k: int, fixed: dict = REDUCE_FIXED) -> int:
+    """Programs along ``k`` selected rows of a reducing kernel run with ``fixed``."""
+    return triton.cdiv(k, fixed["BLOCK_N"] * fixed["TILES"])
 
 
 def total(parts: torch.Tensor, det: bool) -> torch.Tensor:
@@ -120,6 +125,46 @@ def tile_configs() -> list[triton.Config]:
     shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (16, 256, 4),
               (32, 256, 4), (64, 256, 8), (32, 64, 2), (64, 64, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w) for n, d, w in shapes]
+
+
+def union_tile_configs() -> list[triton.Config]:
+    """Tile shapes of the union kernels' ``tl.dot`` (both dimensions at least 16)."""
+    if INTERPRET or QUICK_TUNE:
+        return [_config(UNION_TILE_FIXED)]
+    shapes = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8),
+              (128, 128, 8), (64, 64, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w) for n, d, w in shapes]
+
+
+def union_reduce_configs() -> list[triton.Config]:
+    """``union_tile_configs`` with ``TILES`` neuron tiles summed per program (see
+    ``reduce_configs``)."""
+    if INTERPRET or QUICK_TUNE:
+        return [_config(UNION_REDUCE_FIXED)]
+    shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 64, 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_D": d, "TILES": t}, num_warps=w)
+            for n, d, w in shapes for t in (1, 2, 4, 8)]
+
+
+@triton.jit
+def dot_rows(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` in fp32: half types on the tensor cores (their products are exact in
+    fp32), fp32 operands in full fp32 (not TF32)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def dot_split(h, b, acc, IEEE: tl.constexpr):
+    """``acc + h @ b`` for fp32 ``h`` and ``b`` in a half type: ``h`` split into a high and a
+    low part in ``b``'s dtype, two tensor-core products (the pair carries about twice the
+    half type's mantissa, so ``h`` is not rounded to it)."""
+    if IEEE:
+        return tl.dot(h, b.to(tl.float32), acc, input_precision="ieee")
+    high = h.to(b.dtype)
+    low = (h - high.to(tl.float32)).to(b.dtype)
+    return tl.dot(low, b, tl.dot(high, b, acc))
 
 
 def reduce_configs() -> list[triton.Config]:

@@ -4,6 +4,7 @@ run there with TRITON_INTERPRET=0."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -125,12 +126,13 @@ def test_transposed_views_read_as_contiguous(dtype, gated):
                                **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("k", [3, 20, 45])  # union with padding, overlapping, all units
-def test_union_selection_kernels(dtype, k):
+@pytest.mark.parametrize("dtype", DTYPES)
+# k: union with padding, overlapping, all units; batch: one block of UNION_ROWS rows, two
+@pytest.mark.parametrize("batch,k", [(3, 3), (3, 20), (3, 45), (18, 20)])
+def test_union_selection_kernels(dtype, k, batch):
     """``union``: one id row shared by the batch (row stride 0), -1 padding skipped; against
     the reference's union."""
-    d, n, d_out, batch = 37, 45, 29, 3
+    d, n, d_out = 37, 45, 29
     x = _rand(batch, 1, d, dtype=dtype, seed=0)
     w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
     w_up, b1 = _rand(n, d, dtype=dtype, seed=4), _rand(n, dtype=dtype, seed=3)
@@ -170,7 +172,7 @@ def deterministic_mode():
 def test_deterministic_mode(dtype, gated, deterministic_mode):
     """In deterministic mode the projection kernels keep each program's partial sums apart and
     add them in order: same values as the reference, bitwise equal from call to call (shapes of
-    several slots along each split)."""
+    several slots along each split), per-row and union selections."""
     from dejavu_compile.kernels.triton_common import deterministic
 
     assert deterministic()
@@ -190,10 +192,11 @@ def test_deterministic_mode(dtype, gated, deterministic_mode):
         (heads.sparse_head_proj, ref.sparse_head_proj, (x, hidx, wq, None, 8)),
         (heads.sparse_head_out, ref.sparse_head_out, (attn, hidx, wo_t, None, 8)),
     ]
-    for kernel, reference, args in calls:
-        first, second = kernel(*args), kernel(*args)
+    for (kernel, reference, args), union in itertools.product(calls, (False, True)):
+        first, second = kernel(*args, union=union), kernel(*args, union=union)
         assert torch.equal(first, second), kernel.__name__
-        torch.testing.assert_close(first.double(), _ref64(reference, *args), **TOL[dtype])
+        torch.testing.assert_close(first.double(), _ref64(reference, *args, union=union),
+                                   **TOL[dtype])
 
 
 def test_kernels_refuse_unsupported_dtype():
