@@ -198,12 +198,13 @@ def importance_weights(h_abs: torch.Tensor, down_norms: torch.Tensor) -> torch.T
 
 def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
                     held_out: float = 0.1, buckets: int = 1, weighted: bool = False,
-                    keep_by=None) -> tuple[Predictor, dict]:
+                    keep_by=None, loss_fn=None) -> tuple[Predictor, dict]:
     """Train a predictor of the top-``TRAIN_DENSITY`` neurons of ``trace`` with a binary loss
-    (with ``weighted``, each neuron's term weighted by its importance: ``importance_weights``);
-    keep the epoch with the best held-out recall (of its selection per bucket), or the highest
-    ``keep_by(scores, val)`` (held-out scores and the held-out token indices) when given.
-    Returns it and its quality."""
+    (with ``weighted``, each neuron's term weighted by its importance: ``importance_weights``),
+    or with ``loss_fn(scores, labels, magnitudes)`` of a batch when given (the study of other
+    losses, ``examples/predictor_study.py``); keep the epoch with the best held-out recall (of
+    its selection per bucket), or the highest ``keep_by(scores, val)`` (held-out scores and the
+    held-out token indices) when given. Returns it and its quality."""
     torch.manual_seed(seed)
     x, target = trace.x.float(), trace.h.float().abs()
     n_val = max(1, int(held_out * x.shape[0]))
@@ -224,8 +225,12 @@ def train_predictor(trace: MLPTrace, rank: int, epochs: int, seed: int = 0,
     for _ in range(epochs):
         pred.train()
         for batch in tr[torch.randperm(len(tr))].split(BATCH):
-            loss = F.binary_cross_entropy_with_logits(
-                pred(xs[batch]), labels[batch], weight=None if weights is None else weights[batch])
+            if loss_fn is not None:
+                loss = loss_fn(pred(xs[batch]), labels[batch], target[batch])
+            else:
+                loss = F.binary_cross_entropy_with_logits(
+                    pred(xs[batch]), labels[batch],
+                    weight=None if weights is None else weights[batch])
             opt.zero_grad()
             loss.backward()
             opt.step()

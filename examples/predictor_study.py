@@ -8,6 +8,10 @@ training-free images of the gate and up projections.
 Selectors compared (all at density 0.5, one top-k over all neurons):
 
 - the trained predictor of ``dejavu calibrate`` (rank 128, 12 epochs), rank 256, 30 epochs;
+- the same predictor trained with a ranking loss instead of the binary one: pairwise (logistic
+  loss on 512 sampled pairs of a top-half and a bottom-half neuron per token), listwise
+  (softmax cross-entropy towards the top half) and a regression on each token's standardised
+  log |h|;
 - |act(gate x)|: the exact gate alone (what the ``gate`` selector ranks by);
 - |act(gate x) * U_r(x)|: the exact gate times a rank-r SVD image of the up projection;
 - |act(G_r(x)) * U_r(x)|: rank-r SVD images of both.
@@ -21,6 +25,7 @@ import argparse
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from dejavu_compile.kernels.reference import activate
 
 from dejavu_compile import calibrate as cal
@@ -32,6 +37,28 @@ def low_rank(w: torch.Tensor, rank: int):
     u, s, v = torch.linalg.svd(w.float(), full_matrices=False)
     left, right = u[:, :rank] * s[:rank], v[:rank]
     return lambda x: (x @ right.t()) @ left.t()
+
+
+def pairwise_loss(scores, labels, magnitudes, pairs: int = 512):
+    """Logistic loss on sampled (top-half, bottom-half) neuron pairs of each token."""
+    top = labels.bool()
+    pos = torch.multinomial(top.float(), pairs, replacement=True)
+    neg = torch.multinomial((~top).float(), pairs, replacement=True)
+    return F.softplus(scores.gather(1, neg) - scores.gather(1, pos)).mean()
+
+
+def listwise_loss(scores, labels, magnitudes):
+    """Softmax cross-entropy of each token's scores towards its top half."""
+    return -(F.log_softmax(scores, 1) * labels).sum(1).mean() / labels.sum(1).mean()
+
+
+def regression_loss(scores, labels, magnitudes):
+    """Squared error to each token's standardised log |h|."""
+    z = torch.log(magnitudes + 1e-6)
+    return F.mse_loss(scores, (z - z.mean(1, keepdim=True)) / z.std(1, keepdim=True))
+
+
+LOSSES = {"pairwise": pairwise_loss, "listwise": listwise_loss, "regression": regression_loss}
 
 
 def main() -> None:
@@ -65,6 +92,8 @@ def main() -> None:
         for name, rank, epochs in (("trained r128", 128, 12), ("trained r256", 256, 12),
                                    ("trained r128 e30", 128, 30)):
             row[name] = cal.train_predictor(trace, rank, epochs)[1]["recall"]
+        for name, loss in LOSSES.items():
+            row[f"r128 {name}"] = cal.train_predictor(trace, 128, 12, loss_fn=loss)[1]["recall"]
         print(f"layer {layer}: " + ", ".join(f"{n} {v:.3f}" for n, v in row.items()), flush=True)
 
 

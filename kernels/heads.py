@@ -5,7 +5,10 @@ A selection names heads; head ``h`` owns weight rows ``h * head_dim .. (h + 1) *
 of ``W_q`` ([H * head_dim, d]) and of the transposed output projection ``W_o_t``
 ([H * head_dim, d_out]), each row contiguous. Both kernels run a 2-d grid of tiles (selected
 rows x a slice of the other dimension) and add partial sums into fp32 with atomics (in
-deterministic mode, each program into its own slot, summed afterwards in order).
+deterministic mode, each program into its own slot, summed afterwards in order). A batch's
+union selection (one id row for every row) runs ``_head_proj_union_kernel`` and
+``_head_out_union_kernel``: a weight tile loaded once for a block of ``UNION_ROWS`` rows and
+multiplied with them by ``tl.dot``, as in ``sparse_mlp.py``.
 References: ``kernels/reference.py::sparse_head_proj`` and ``sparse_head_out``.
 """
 
@@ -16,7 +19,14 @@ import triton
 import triton.language as tl
 
 from . import triton_common as tc
-from .triton_common import add_partial, reduce_configs, tile_configs
+from .triton_common import (
+    add_partial,
+    dot_rows,
+    reduce_configs,
+    tile_configs,
+    union_reduce_configs,
+    union_tile_configs,
+)
 
 
 @triton.jit
@@ -75,6 +85,63 @@ def _head_out_kernel(
     add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
 
 
+@triton.autotune(configs=union_tile_configs(), key=["D", "J"], reset_to_zero=["out_ptr"])
+@triton.jit
+def _head_proj_union_kernel(
+    x_ptr, idx_ptr, w_ptr, b_ptr, out_ptr,
+    R, D, J, HEAD_DIM,
+    stride_x, stride_w, stride_out, stride_part,
+    HAS_B: tl.constexpr, ATOMIC: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``_head_proj_kernel`` for one id row shared by the batch (``ROWS`` rows a program)."""
+    pid_r, pid, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    mask_r = rows < R
+    offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrows, mask = _weight_rows(idx_ptr, 0, 0, offs, HEAD_DIM, offs < J)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs_d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
+                mask=mask[:, None] & mask_d[None, :], other=0.0)
+    acc = dot_rows(x.to(w.dtype), tl.trans(w), tl.zeros([ROWS, BLOCK_N], dtype=tl.float32), IEEE)
+    if HAS_B:
+        acc += tl.load(b_ptr + wrows, mask=mask & (pid_d == 0), other=0.0).to(tl.float32)[None, :]
+    add_partial(out_ptr + pid_d * stride_part + rows[:, None] * stride_out + wrows[None, :], acc,
+                mask_r[:, None] & mask[None, :], ATOMIC)
+
+
+@triton.autotune(configs=union_reduce_configs(), key=["DOUT", "J", "stride_wo"],
+                 reset_to_zero=["out_ptr"])
+@triton.jit
+def _head_out_union_kernel(
+    a_ptr, idx_ptr, w_ptr, out_ptr,
+    R, DOUT, J, HEAD_DIM,
+    stride_a, stride_wn, stride_wo, stride_out, stride_part,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+):
+    """``_head_out_kernel`` for one id row shared by the batch (``ROWS`` rows a program)."""
+    pid_r, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    mask_r = rows < R
+    offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_o = offs_o < DOUT
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        offs = (pid * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        wrows, mask = _weight_rows(idx_ptr, 0, 0, offs, HEAD_DIM, offs < J)
+        vals = tl.load(a_ptr + rows[:, None] * stride_a + wrows[None, :],
+                       mask=mask_r[:, None] & mask[None, :], other=0.0)
+        w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
+                    mask=mask[:, None] & mask_o[None, :], other=0.0)
+        acc = dot_rows(vals.to(w.dtype), w, acc, IEEE)
+    add_partial(out_ptr + pid * stride_part + rows[:, None] * stride_out + offs_o[None, :], acc,
+                mask_r[:, None] & mask_o[None, :], ATOMIC)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
@@ -89,6 +156,16 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     # the rows of unselected heads stay zero
     parts = tc.partials(det, tc.tile_slots(d), rows.shape[0], w.shape[0], device=x.device,
                         zero=True)
+    if tc.shared(sel, rows.shape[0]):
+        tc.launch(_head_proj_union_kernel,
+                  lambda m: (triton.cdiv(rows.shape[0], tc.UNION_ROWS),
+                             triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"])),
+                  rows, sel, w, b if b is not None else w, parts[0],
+                  rows.shape[0], d, j, head_dim,
+                  rows.stride(0), w.stride(0), parts.stride(1), parts.stride(0) if det else 0,
+                  HAS_B=b is not None, ATOMIC=not det, IEEE=tc.ieee(rows, w),
+                  ROWS=tc.UNION_ROWS, fixed=tc.UNION_TILE_FIXED if det else None)
+        return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
     tc.launch(_head_proj_kernel,
               lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"])),
               rows, sel, w, b if b is not None else w, parts[0],
@@ -106,6 +183,20 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     det = tc.deterministic()
+    if tc.shared(sel, rows.shape[0]):
+        parts = tc.partials(det, tc.reduce_slots(j, tc.UNION_REDUCE_FIXED), rows.shape[0], d_out,
+                            device=attn.device)
+        tc.launch(_head_out_union_kernel,
+                  lambda m: (triton.cdiv(rows.shape[0], tc.UNION_ROWS),
+                             triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
+                             triton.cdiv(d_out, m["BLOCK_D"])),
+                  rows, sel, wo_t, parts[0],
+                  rows.shape[0], d_out, j, head_dim,
+                  rows.stride(0), wo_t.stride(0), wo_t.stride(1), parts.stride(1),
+                  parts.stride(0) if det else 0,
+                  ATOMIC=not det, IEEE=tc.ieee(rows, wo_t), ROWS=tc.UNION_ROWS,
+                  fixed=tc.UNION_REDUCE_FIXED if det else None)
+        return tc.finish(tc.total(parts, det), b, attn.dtype).reshape(*attn.shape[:-1], d_out)
     parts = tc.partials(det, tc.reduce_slots(j), rows.shape[0], d_out, device=attn.device)
     tc.launch(_head_out_kernel,
               lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),

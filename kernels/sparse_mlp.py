@@ -31,7 +31,6 @@ import triton.language as tl
 
 from .triton_common import (
     ACT_CODES,
-    INTERPRET,
     REDUCE_FIXED,
     TILE_FIXED,
     UNION_REDUCE_FIXED,
@@ -45,11 +44,13 @@ from .triton_common import (
     dot_split,
     finish,
     idx_stride,
+    ieee,
     launch,
     partials,
     reduce_configs,
     reduce_slots,
     selection,
+    shared,
     tile_configs,
     tile_slots,
     total,
@@ -203,13 +204,8 @@ def _down_union_kernel(
                 acc, mask_r[:, None] & mask_o[None, :], ATOMIC)
 
 
-def _shared(sel: torch.Tensor, n_rows: int) -> bool:
-    """Whether the batch reads one shared id row (a union selection): the union kernels."""
-    return sel.shape[0] == 1 and n_rows > 1
-
-
 def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device,
-             zero_pre: bool = False, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             zero_pre: bool = False, union: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 targets of the partial sums (``triton_common.partials``), pre-activations
     [S, n_pre, R, k] and output [S', R, d_out]; with atomics both share one zeroed buffer (one
     launch)."""
@@ -217,22 +213,14 @@ def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, dev
         buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=device, dtype=torch.float32)
         return (buf[: n_pre * n_rows * k].view(1, n_pre, n_rows, k),
                 buf[n_pre * n_rows * k:].view(1, n_rows, d_out))
-    reduce = UNION_REDUCE_FIXED if shared else REDUCE_FIXED
+    reduce = UNION_REDUCE_FIXED if union else REDUCE_FIXED
     return (partials(True, tile_slots(d), n_pre, n_rows, k, device=device, zero=zero_pre),
             partials(True, reduce_slots(k, reduce), n_rows, d_out, device=device))
 
 
-def _ieee(*tensors) -> bool:
-    """Whether a union kernel's products run in fp32: an fp32 operand, or mixed dtypes; and
-    bf16 under the interpreter, whose ``tl.dot`` multiplies bf16 as raw integers (the GPU runs
-    of tests/test_kernels.py cover the bf16 tensor-core path)."""
-    dtypes = {t.dtype for t in tensors}
-    return torch.float32 in dtypes or len(dtypes) > 1 or (INTERPRET and torch.bfloat16 in dtypes)
-
-
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
     d, k, n_rows = rows.shape[1], sel.shape[1], rows.shape[0]
-    if _shared(sel, n_rows):
+    if shared(sel, n_rows):
         launch(_up_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
                                             triton.cdiv(k, m["BLOCK_N"]),
                                             triton.cdiv(d, m["BLOCK_D"])),
@@ -240,7 +228,7 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
                n_rows, d, k,
                rows.stride(0), w.stride(0), w_up.stride(0), parts.stride(2),
                parts.stride(0) if det else 0,
-               GATED=gated, ATOMIC=not det, IEEE=_ieee(rows, w, w_up), ROWS=UNION_ROWS,
+               GATED=gated, ATOMIC=not det, IEEE=ieee(rows, w, w_up), ROWS=UNION_ROWS,
                fixed=UNION_TILE_FIXED if det else None)
         return
     launch(_up_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"]),
@@ -255,7 +243,7 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
     """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP)."""
     k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
-    if _shared(sel, n_rows):
+    if shared(sel, n_rows):
         launch(_down_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
                                               triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                                               triton.cdiv(d_out, m["BLOCK_D"])),
@@ -264,7 +252,7 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
                pre.stride(1), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
                parts.stride(0) if det else 0,
                ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
-               IEEE=_ieee(w2_t), ROWS=UNION_ROWS, fixed=UNION_REDUCE_FIXED if det else None)
+               IEEE=ieee(w2_t), ROWS=UNION_ROWS, fixed=UNION_REDUCE_FIXED if det else None)
         return
     launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                                     triton.cdiv(d_out, m["BLOCK_D"])),
@@ -291,7 +279,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) ->
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
     pre, out = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device,
-                        shared=_shared(sel, rows.shape[0]))
+                        union=shared(sel, rows.shape[0]))
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det)
     return finish(total(out, det), b2, x.dtype).reshape(*x.shape[:-1], d_out)
@@ -315,7 +303,7 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -
     k = sel.shape[1]
     # the gate's slots after the first stay zero, so the ordered sum keeps the gathered values
     pre, out = _targets(det, 2, n_rows, k, d, d_out, x.device, zero_pre=det,
-                        shared=_shared(sel, n_rows))
+                        union=shared(sel, n_rows))
     # the gate of each row at the ids (padding reads unit 0; the kernels skip it)
     torch.gather(g.reshape(n_rows, -1).float(), 1, sel.clamp_min(0).expand(n_rows, -1),
                  out=pre[0, 0])

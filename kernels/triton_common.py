@@ -77,6 +77,19 @@ def selection(idx: torch.Tensor, n_rows: int, units: int, union: bool) -> torch.
     return idx.reshape(n_rows, -1).contiguous()
 
 
+def shared(sel: torch.Tensor, n_rows: int) -> bool:
+    """Whether the batch reads one shared id row (a union selection): the union kernels."""
+    return sel.shape[0] == 1 and n_rows > 1
+
+
+def ieee(*tensors) -> bool:
+    """Whether a union kernel's products run in fp32: an fp32 operand, or mixed dtypes; and
+    bf16 under the interpreter, whose ``tl.dot`` multiplies bf16 as raw integers (the GPU runs
+    of tests/test_kernels.py cover the bf16 tensor-core path)."""
+    dtypes = {t.dtype for t in tensors}
+    return torch.float32 in dtypes or len(dtypes) > 1 or (INTERPRET and torch.bfloat16 in dtypes)
+
+
 def idx_stride(sel: torch.Tensor) -> int:
     """Row stride of the ids passed to a kernel: 0 for one row shared by all (union)."""
     return 0 if sel.shape[0] == 1 else sel.stride(0)
