@@ -15,9 +15,11 @@ process, side by side, with the measured copy bandwidth of this GPU as the ceili
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -468,7 +470,7 @@ def weight_bytes(model) -> int:
 
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
-         "dejavu_fold", "dejavu_fixed", "dejavu_topk")
+         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -482,7 +484,28 @@ _DEJAVU_MODES = {
     "dejavu_fold": (True, True, BUCKET_UNITS, {"fold_predictors": True}),
     "dejavu_fixed": (True, False, BUCKET_UNITS, {"selector": "fixed"}),  # no predictor at all
     "dejavu_topk": (True, False, 0, {}),  # one top-k over all units (cuBLAS + torch.topk)
+    # dejavu_sparse with the kernels launched programmatically (triton_common.PDL_ENV)
+    "dejavu_pdl": (True, False, BUCKET_UNITS, {}),
 }
+
+
+@contextlib.contextmanager
+def _programmatic_launch(on: bool):
+    """``DEJAVU_PDL`` set to 1 (``on``) or unset while the block runs, then restored."""
+    from dejavu_compile.kernels.triton_common import PDL_ENV
+
+    before = os.environ.get(PDL_ENV)
+    if on:
+        os.environ[PDL_ENV] = "1"
+    else:
+        os.environ.pop(PDL_ENV, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PDL_ENV, None)
+        else:
+            os.environ[PDL_ENV] = before
 
 
 @torch.no_grad()
@@ -517,7 +540,8 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
                                  lookahead=ahead, bucket_units=bucket_units)
         options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
+        with _programmatic_launch(mode == "dejavu_pdl"):  # the kernels are captured in here
+            res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
         yield res
     del model

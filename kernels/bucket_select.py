@@ -9,7 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import ACT_CODES, INTERPRET, QUICK_TUNE, apply_act, check_dtype
+from .triton_common import (
+    ACT_CODES,
+    INTERPRET,
+    QUICK_TUNE,
+    apply_act,
+    check_dtype,
+    pdl_meta,
+    wait_inputs,
+)
 
 # The largest bucket one program ranks (units, padded to a power of two).
 MAX_BUCKET = 1024
@@ -31,7 +39,9 @@ def _hidden_kernel(
     D, RANK,
     stride_x, stride_w1, stride_z,
     HAS_B1: tl.constexpr, ACT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)  # x may be the previous kernel's
     pid_h, row = tl.program_id(0), tl.program_id(1)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < RANK
@@ -57,8 +67,9 @@ def _bucket_kernel(
     stride_z, stride_w2, stride_out,
     HAS_B1: tl.constexpr, ACT: tl.constexpr,  # applied to z as loaded (a folded predictor)
     HAS_B2: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)  # z is the hidden kernel's (or the folded projection's)
     bucket, row = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < SIZE
@@ -128,7 +139,7 @@ def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buc
     _hidden_kernel[lambda meta: (triton.cdiv(rank, meta["BLOCK_H"]), n)](
         rows, w1, b1 if b1 is not None else w1, z, d, rank,
         rows.stride(0), w1.stride(0), z.stride(0),
-        HAS_B1=b1 is not None, ACT=_act_code(act),
+        HAS_B1=b1 is not None, ACT=_act_code(act), **pdl_meta(),
     )
     out = _rank_buckets(z, None, -1, w2, b2, k, group, buckets)
     return out.reshape(*x.shape[:-1], k * group)
@@ -149,6 +160,7 @@ def _rank_buckets(z, b1, act_code: int, w2, b2, k: int, group: int, buckets: int
         HAS_B2=b2 is not None, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_S=block_s, BLOCK_R=max(16, min(128, triton.next_power_of_2(rank), 8192 // block_s)),
         BLOCK_K=max(2, triton.next_power_of_2(keep)), num_warps=4 if block_s <= 256 else 8,
+        **pdl_meta(),
     )
     return out
 

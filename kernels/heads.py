@@ -26,6 +26,7 @@ from .triton_common import (
     tile_configs,
     union_reduce_configs,
     union_tile_configs,
+    wait_inputs,
 )
 
 
@@ -44,6 +45,7 @@ def _head_proj_kernel(
     D, J, HEAD_DIM,
     stride_x, stride_idx, stride_w, stride_out, stride_part,
     HAS_B: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row, pid, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,6 +60,7 @@ def _head_proj_kernel(
     if HAS_B:
         bias = tl.load(b_ptr + wrows, mask=mask & (pid_d == 0), other=0.0).to(tl.float32)
         acc += bias
+    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
     add_partial(out_ptr + pid_d * stride_part + row * stride_out + wrows, acc, mask, ATOMIC)
 
 
@@ -69,6 +72,7 @@ def _head_out_kernel(
     DOUT, J, HEAD_DIM,
     stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_part,
     ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -82,6 +86,7 @@ def _head_out_kernel(
         w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
                     mask=mask[:, None] & mask_o[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * vals[:, None], 0)
+    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
     add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
 
 
@@ -92,7 +97,7 @@ def _head_proj_union_kernel(
     R, D, J, HEAD_DIM,
     stride_x, stride_w, stride_out, stride_part,
     HAS_B: tl.constexpr, ATOMIC: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_head_proj_kernel`` for one id row shared by the batch (``ROWS`` rows a program)."""
     pid_r, pid, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -109,6 +114,7 @@ def _head_proj_union_kernel(
     acc = dot_rows(x.to(w.dtype), tl.trans(w), tl.zeros([ROWS, BLOCK_N], dtype=tl.float32), IEEE)
     if HAS_B:
         acc += tl.load(b_ptr + wrows, mask=mask & (pid_d == 0), other=0.0).to(tl.float32)[None, :]
+    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
     add_partial(out_ptr + pid_d * stride_part + rows[:, None] * stride_out + wrows[None, :], acc,
                 mask_r[:, None] & mask[None, :], ATOMIC)
 
@@ -121,7 +127,7 @@ def _head_out_union_kernel(
     R, DOUT, J, HEAD_DIM,
     stride_a, stride_wn, stride_wo, stride_out, stride_part,
     ATOMIC: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_head_out_kernel`` for one id row shared by the batch (``ROWS`` rows a program)."""
     pid_r, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -138,6 +144,7 @@ def _head_out_union_kernel(
         w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
                     mask=mask[:, None] & mask_o[None, :], other=0.0)
         acc = dot_rows(vals.to(w.dtype), w, acc, IEEE)
+    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
     add_partial(out_ptr + pid * stride_part + rows[:, None] * stride_out + offs_o[None, :], acc,
                 mask_r[:, None] & mask_o[None, :], ATOMIC)
 

@@ -56,6 +56,7 @@ from .triton_common import (
     total,
     union_reduce_configs,
     union_tile_configs,
+    wait_inputs,
 )
 
 
@@ -72,6 +73,7 @@ def _up_kernel(
     stride_part,
     # meta-parameters
     GATED: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row, pid_n, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,10 +84,12 @@ def _up_kernel(
     tile = (neurons >= 0)[:, None] & mask_d[None, :]  # -1: union padding, no neuron
     x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
+    if GATED:
+        u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile, other=0.0)
+    wait_inputs(PDL)  # the targets are the zero-fill's, the kernel before
     out = pid_d * stride_part + row * stride_pre + offs_n
     add_partial(pre_ptr + out, tl.sum(w.to(tl.float32) * x[None, :], 1), mask_n, ATOMIC)
     if GATED:
-        u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile, other=0.0)
         add_partial(up_out_ptr + out, tl.sum(u.to(tl.float32) * x[None, :], 1), mask_n, ATOMIC)
 
 
@@ -105,7 +109,7 @@ def _down_kernel(
     stride_part,
     # meta-parameters
     ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -116,15 +120,19 @@ def _down_kernel(
         mask_n = offs_n < K
         neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
         valid = neurons >= 0  # -1: past K or union padding
+        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
+                     mask=valid[:, None] & mask_o[None, :], other=0.0)
+        if HAS_B1:
+            b1 = tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
+        if t == 0:
+            wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
         h = tl.load(pre_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
         if HAS_B1:
-            h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
+            h += b1
         h = apply_act(h, ACT)
         if GATED:
             h = h * tl.load(up_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
         h = tl.where(valid, h, 0.0)
-        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                     mask=valid[:, None] & mask_o[None, :], other=0.0)
         acc += tl.sum(w2.to(tl.float32) * h[:, None], 0)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
 
@@ -137,7 +145,7 @@ def _up_union_kernel(
     R, D, K,
     stride_x, stride_w1, stride_wup, stride_pre, stride_part,
     GATED: tl.constexpr, ATOMIC: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_up_kernel`` for one id row shared by the batch: the tile (selected neurons x a slice
     of d) is loaded once for a block of ``ROWS`` rows."""
@@ -153,13 +161,15 @@ def _up_union_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_x + offs_d[None, :],
                 mask=mask_r[:, None] & mask_d[None, :], other=0.0)
     w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
+    if GATED:
+        u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile,
+                    other=0.0)
+    wait_inputs(PDL)  # the targets are the zero-fill's, the kernel before
     zero = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     out = pid_d * stride_part + rows[:, None] * stride_pre + offs_n[None, :]
     mask = mask_r[:, None] & mask_n[None, :]
     add_partial(pre_ptr + out, dot_rows(x.to(w.dtype), tl.trans(w), zero, IEEE), mask, ATOMIC)
     if GATED:
-        u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile,
-                    other=0.0)
         add_partial(up_out_ptr + out, dot_rows(x.to(u.dtype), tl.trans(u), zero, IEEE), mask,
                     ATOMIC)
 
@@ -173,7 +183,7 @@ def _down_union_kernel(
     stride_pre, stride_w2n, stride_w2o, stride_out, stride_part,
     ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
     IEEE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     """``_down_kernel`` for one id row shared by the batch: each tile of ``W2_t`` is loaded
     once and multiplied with the activations of a block of ``ROWS`` rows."""
@@ -188,17 +198,21 @@ def _down_union_kernel(
         mask_n = offs_n < K
         neurons = tl.load(idx_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)
         valid = neurons >= 0  # -1: past K or union padding
+        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
+                     mask=valid[:, None] & mask_o[None, :], other=0.0)
+        if HAS_B1:
+            b1 = tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
+        if t == 0:
+            wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
         here = mask_r[:, None] & mask_n[None, :]
         at = rows[:, None] * stride_pre + offs_n[None, :]
         h = tl.load(pre_ptr + at, mask=here, other=0.0)
         if HAS_B1:
-            h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)[None, :]
+            h += b1[None, :]
         h = apply_act(h, ACT)
         if GATED:
             h = h * tl.load(up_ptr + at, mask=here, other=0.0)
         h = tl.where(here & valid[None, :], h, 0.0)
-        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                     mask=valid[:, None] & mask_o[None, :], other=0.0)
         acc = dot_split(h, w2, acc, IEEE)
     add_partial(out_ptr + pid_n * stride_part + rows[:, None] * stride_out + offs_o[None, :],
                 acc, mask_r[:, None] & mask_o[None, :], ATOMIC)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _GDC = True
+except ImportError:  # an older Triton: launches stay plain
+    _GDC = False
 
 ACT_CODES = {"relu": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -95,13 +103,50 @@ def idx_stride(sel: torch.Tensor) -> int:
     return 0 if sel.shape[0] == 1 else sel.stride(0)
 
 
+# Programmatic dependent launch: a kernel launched with it may start while the kernel before
+# it in the stream finishes; it loads what older kernels wrote (ids, activations, weights),
+# then waits for its predecessor (``wait_inputs``) before reading what that one wrote or
+# adding into its buffers, and lets its own successor start. Each sparse op launches its
+# zero-fill right before its first kernel, so that kernel's predecessor is always the fill.
+# Off unless ``DEJAVU_PDL=1`` (``dejavu bench`` mode ``dejavu_pdl`` measures it).
+PDL_ENV = "DEJAVU_PDL"
+
+
+@functools.cache
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def programmatic() -> bool:
+    """Whether the kernels launch with programmatic dependent launch: ``DEJAVU_PDL=1`` on a
+    Hopper or later GPU, compiled Triton, and not in deterministic mode (whose kernels write
+    unzeroed slots with no fill before them)."""
+    return (os.environ.get(PDL_ENV) == "1" and _GDC and not INTERPRET and not deterministic()
+            and _hopper())
+
+
+def pdl_meta() -> dict:
+    """The ``PDL`` meta-parameter of a launch, and Triton's launch option when it is on."""
+    return {"PDL": True, "launch_pdl": True} if programmatic() else {"PDL": False}
+
+
+@triton.jit
+def wait_inputs(PDL: tl.constexpr):
+    """Under programmatic launch: wait until the kernel before this one has finished and its
+    writes are visible, then let the kernel after this one start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
     """Launch the autotuned ``kernel`` over ``grid`` (a function of the meta-parameters), or,
-    with ``fixed``, the kernel under it with that config (no autotuning)."""
+    with ``fixed``, the kernel under it with that config (no autotuning); ``PDL`` as
+    ``pdl_meta`` says."""
     if fixed is None:
-        kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta, **pdl_meta())
     else:
-        kernel.fn[grid](*args, **meta, **fixed)
+        kernel.fn[grid](*args, **meta, **fixed, **pdl_meta())
 
 
 @triton.jit
@@ -200,13 +245,16 @@ def check_dtype(name: str, *tensors) -> None:
 
 @triton.jit
 def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
-                   HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pid, row = tl.program_id(0), tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    if HAS_B:
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wait_inputs(PDL)  # the accumulator is the previous kernel's
     v = tl.load(acc_ptr + row * stride_acc + offs, mask=mask, other=0.0)
     if HAS_B:
-        v += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v += b
     tl.store(out_ptr + row * stride_out + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -221,5 +269,5 @@ def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> 
     block = min(1024, triton.next_power_of_2(n))
     _finish_kernel[(triton.cdiv(n, block), rows)](
         acc, bias if bias is not None else acc, out, n, acc.stride(0), out.stride(0),
-        HAS_B=bias is not None, BLOCK=block, num_warps=4)
+        HAS_B=bias is not None, BLOCK=block, num_warps=4, **pdl_meta())
     return out

@@ -1,6 +1,7 @@
 """GPU only (skipped elsewhere): lookahead on a side stream under Inductor and CUDA graphs gives
 results identical to the same graph run on one stream, over many decode steps (no race), in
-PyTorch's deterministic mode (which the sparse kernels honour)."""
+PyTorch's deterministic mode (which the sparse kernels honour); programmatic dependent launch
+gives the results of plain launches."""
 
 from __future__ import annotations
 
@@ -83,3 +84,57 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
     # every decode graph moved layers 1-5's MLP predictors ahead
     count = dejavu_compile.report(model).counters["lookahead[mlp]"]
     assert count >= 2 * 5 and count % 5 == 0, count
+
+
+def test_programmatic_launch_matches_the_reference(monkeypatch):
+    """With ``DEJAVU_PDL=1`` (programmatic dependent launch, Hopper and later) a selector
+    followed by the sparse MLP and head kernels, captured in a CUDA graph and replayed, gives
+    the ids of plain launches exactly (the selector has no atomics) and outputs within the
+    reference's tolerance: no kernel reads its predecessor's output before that one finished."""
+    from dejavu_compile.kernels import heads, predictor, sparse_mlp
+    from dejavu_compile.kernels import reference as ref
+    from dejavu_compile.kernels.triton_common import PDL_ENV, programmatic
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).half()
+
+    d, n, rank, heads_n, head_dim = 1024, 4096, 64, 16, 64
+    x, attn = rand(1, 1, d), rand(1, 1, heads_n * head_dim)
+    w1p, w2p = rand(rank, d), rand(n, rank)
+    w1, w_up, w2_t = rand(n, d), rand(n, d), rand(n, d)
+    wo_t = rand(heads_n * head_dim, d)
+    hidx = torch.tensor([[[1, 4, 6, 9, 12, 15]]], device="cuda")
+
+    def step():
+        ids = predictor.select_predictor(x, w1p, None, w2p, None, "relu", n // 4, 1, 32)
+        y = sparse_mlp.sparse_mlp(x, ids, w1, None, w_up, w2_t, None, "silu")
+        z = heads.sparse_head_out(attn, hidx, wo_t, None, head_dim)
+        return ids, y, z
+
+    results = {}
+    for on in (False, True):
+        if on:
+            monkeypatch.setenv(PDL_ENV, "1")
+        else:
+            monkeypatch.delenv(PDL_ENV, raising=False)
+        assert programmatic() == on
+        step()  # compile and autotune outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        results[on] = [t.clone() for t in out]
+    ids = results[False][0]
+    assert torch.equal(results[True][0], ids)
+    want_y = ref.sparse_mlp(x.double(), ids, w1.double(), None, w_up.double(), w2_t.double(),
+                            None, "silu")
+    want_z = ref.sparse_head_out(attn.double(), hidx, wo_t.double(), None, head_dim)
+    for on in (False, True):
+        torch.testing.assert_close(results[on][1].double(), want_y, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(results[on][2].double(), want_z, atol=2e-3, rtol=2e-3)

@@ -293,3 +293,22 @@ def test_decode_attention_splits_fill_the_gpu():
     with pytest.raises(ValueError, match="multiple of the KV heads"):
         decode_attention.decode_attention(torch.zeros(1, 3, 1, 8), torch.zeros(1, 2, 5, 8),
                                           torch.zeros(1, 2, 5, 8), 1.0)
+
+
+def test_programmatic_launch_is_off_unless_asked(monkeypatch):
+    """``DEJAVU_PDL`` unset, or the interpreter, or deterministic mode: plain launches (the
+    kernels' ``PDL`` meta-parameter false, no launch option)."""
+    from dejavu_compile.kernels import triton_common as tc
+
+    monkeypatch.delenv(tc.PDL_ENV, raising=False)
+    assert not tc.programmatic() and tc.pdl_meta() == {"PDL": False}
+    monkeypatch.setenv(tc.PDL_ENV, "1")
+    if tc.INTERPRET or not torch.cuda.is_available():
+        assert not tc.programmatic()
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert not tc.programmatic()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
