@@ -300,9 +300,38 @@ class DecodeResult:
     # GPU, one synchronisation at the end), as a generation loop that does not wait for each
     # token runs: the host's work overlaps the GPU's
     pipelined_ms: float | None = None
+    # with --breakdown: median over the profiled steps of the time from a step's first kernel
+    # start to its last kernel end; its difference to the kernels' sum is the GPU idling
+    # between kernels
+    gpu_span_ms: float | None = None
 
 
 PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
+
+
+STEP_GAP_US = 100.0  # a gap between kernels at least this long separates two profiled steps
+
+
+def _gpu_span_ms(prof, steps: int) -> float | None:
+    """Median over the profiled steps of first-kernel-start to last-kernel-end, in ms, the
+    steps told apart by the host's wait between them (a gap of ``STEP_GAP_US`` or more); None
+    when the kernels do not fall into ``steps`` such groups."""
+    from torch.autograd import DeviceType
+
+    # kernels only: the position's host-to-device copy starts each step before the host's work
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == DeviceType.CUDA and not ev.name.startswith(("Memcpy",
+                                                                                   "Memset")))
+    groups, first, last = [], None, None
+    for start, end in spans:
+        if first is not None and start - last >= STEP_GAP_US:
+            groups.append(last - first)
+            first = None
+        first = start if first is None else first
+        last = end if last is None else max(last, end)
+    if first is not None:
+        groups.append(last - first)
+    return statistics.median(groups) / 1e3 if len(groups) == steps else None
 
 
 def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
@@ -429,8 +458,9 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
+    span = _gpu_span_ms(prof, PROFILED_STEPS) if prof is not None else None
     return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
-                        kernels, statistics.median(host), pipelined)
+                        kernels, statistics.median(host), pipelined, span)
 
 
 def _pipelined_ms(model, forward, ids: torch.Tensor, new: int) -> float:
@@ -772,6 +802,7 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                        "operating_point": point}
                 if res.breakdown is not None:
                     row["breakdown"] = res.breakdown
+                    row["gpu_span_ms"] = res.gpu_span_ms
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
     if out_json:
@@ -839,8 +870,13 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
 
 
 def _breakdown_markdown(r: dict) -> list[str]:
+    span = r.get("gpu_span_ms")
+    kernels = r["breakdown"][-1]["us_per_step"] / 1e3
+    idle = ("" if span is None else
+            f"; first kernel start to last kernel end {span:.2f} ms a step, of which "
+            f"{span - kernels:.2f} ms between kernels")
     lines = [f"GPU kernel time per decode step, {r['model']} {r['mode']} (torch.profiler over 8 "
-             f"steps; wall time {r['ms_per_token']:.2f} ms):", "",
+             f"steps; wall time {r['ms_per_token']:.2f} ms{idle}):", "",
              "| kernel | us per step | calls per step |", "| --- | --- | --- |"]
     for k in r["breakdown"]:
         name = k["kernel"].replace("|", "/")

@@ -68,6 +68,26 @@ def test_kernel_breakdown_sums_per_step():
     assert rows[-1]["us_per_step"] == 11.0 and rows[-1]["calls_per_step"] == 3
 
 
+def test_gpu_span_splits_the_profiled_steps():
+    """Kernels of one step lie close together; the host's wait between steps leaves a gap of
+    at least STEP_GAP_US: each step's span is its first start to its last end."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def kernel(start, end, device=DeviceType.CUDA, name="k"):
+        return SimpleNamespace(device_type=device, name=name,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    steps = [[kernel(0, 10), kernel(12, 40)], [kernel(500, 530), kernel(531, 560)],
+             [kernel(1000, 1050)]]
+    events = [k for step in steps for k in step] + [
+        kernel(0, 2000, DeviceType.CPU), kernel(300, 301, name="Memcpy HtoD (Pageable -> Device)")]
+    prof = SimpleNamespace(events=lambda: events)
+    assert bench._gpu_span_ms(prof, 3) == pytest.approx(0.05)  # median of 40, 60, 50 us
+    assert bench._gpu_span_ms(prof, 4) is None  # not the number of steps profiled
+
+
 def test_markdown_has_every_section():
     point = {"mlp": 0.1, "attention": 0.5}
     result = {
@@ -78,8 +98,10 @@ def test_markdown_has_every_section():
         "e2e": [{"model": "m", "mode": mode, "ms_per_token": 5.0, "p20": 4.9, "p80": 5.1,
                  "bytes_per_token": 1e9, "floor_ms": 0.25, "peak_gib": 1.0, "host_ms": 1.5,
                  "pipelined_ms": 4.5, "operating_point": point,
-                 **({"breakdown": [{"kernel": "k|1", "us_per_step": 3.0, "calls_per_step": 2}]}
-                    if mode == "dejavu_topk" else {})}
+                 **({"breakdown": [{"kernel": "k|1", "us_per_step": 3.0, "calls_per_step": 2},
+                                   {"kernel": "(all kernels)", "us_per_step": 4000.0,
+                                    "calls_per_step": 2}],
+                     "gpu_span_ms": 4.5} if mode == "dejavu_topk" else {})}
                 for mode in ("hf_compiled", "dejavu_topk")],
     }
     text = bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
@@ -87,6 +109,7 @@ def test_markdown_has_every_section():
     assert "| m | hf_compiled |  | 5.00 (4.90-5.10) | 1.50 | 4.50 |" in text  # no operating point
     assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
     assert "GPU kernel time per decode step, m dejavu_topk" in text
+    assert "last kernel end 4.50 ms a step, of which 0.50 ms between kernels" in text
     assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
 
 
