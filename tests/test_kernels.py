@@ -141,12 +141,15 @@ def test_union_selection_kernels(dtype, k, batch):
     hidx = _selection(batch, 6, 1 if k == 3 else 4).view(batch, 1, -1)
     attn, wq = _rand(batch, 1, 6 * 8, dtype=dtype, seed=5), _rand(6 * 8, d, dtype=dtype, seed=7)
     wo_t = _rand(6 * 8, d, dtype=dtype, seed=8)
+    bq, bo = _rand(6 * 8, dtype=dtype, seed=9), _rand(d, dtype=dtype, seed=10)
     calls = [
         (sparse_mlp.sparse_mlp, ref.sparse_mlp, (x, idx, w1, b1, None, w2_t, None, "gelu")),
         (sparse_mlp.sparse_mlp, ref.sparse_mlp, (x, idx, w1, None, w_up, w2_t, None, "silu")),
         (sparse_mlp.sparse_mlp_gated, ref.sparse_mlp_gated, (x, idx, g, w_up, w2_t, None, "silu")),
         (heads.sparse_head_proj, ref.sparse_head_proj, (x, hidx, wq, None, 8)),
+        (heads.sparse_head_proj, ref.sparse_head_proj, (x, hidx, wq, bq, 8)),
         (heads.sparse_head_out, ref.sparse_head_out, (attn, hidx, wo_t, None, 8)),
+        (heads.sparse_head_out, ref.sparse_head_out, (attn, hidx, wo_t, bo, 8)),
     ]
     for kernel, reference, args in calls:
         got = kernel(*args, union=True)
