@@ -217,7 +217,8 @@ def dot_rows(a, b, acc, IEEE: tl.constexpr):
 def dot_split(h, b, acc, IEEE: tl.constexpr):
     """``acc + h @ b`` for fp32 ``h`` and ``b`` in a half type: ``h`` split into a high and a
     low part in ``b``'s dtype, two tensor-core products (the pair carries about twice the
-    half type's mantissa, so ``h`` is not rounded to it)."""
+    half type's mantissa, so ``h`` is not rounded to it; an fp16 ``h`` beyond fp16's range,
+    65504, overflows here as it would in the dense model's fp16 MLP)."""
     if IEEE:
         return tl.dot(h, b.to(tl.float32), acc, input_precision="ieee")
     high = h.to(b.dtype)
