@@ -12,6 +12,8 @@ Selectors compared (all at density 0.5, one top-k over all neurons):
   loss on 512 sampled pairs of a top-half and a bottom-half neuron per token), listwise
   (softmax cross-entropy towards the top half) and a regression on each token's standardised
   log |h|;
+- the same predictor reading the residual stream (the input of the norm before the MLP)
+  instead of the MLP's input;
 - |act(gate x)|: the exact gate alone (what the ``gate`` selector ranks by);
 - |act(gate x) * U_r(x)|: the exact gate times a rank-r SVD image of the up projection;
 - |act(G_r(x)) * U_r(x)|: rank-r SVD images of both.
@@ -59,6 +61,24 @@ def regression_loss(scores, labels, magnitudes):
 
 
 LOSSES = {"pairwise": pairwise_loss, "listwise": listwise_loss, "regression": regression_loss}
+# the norm whose output is the MLP's input, in the Llama and Gemma 3 families
+MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm")
+
+
+def residual_hooks(model, layers) -> tuple[dict, list]:
+    """Pre-hooks that keep the input of each layer's MLP norm (the residual stream): rows per
+    layer, and the handles."""
+    kept, handles = {layer: [] for layer in layers}, []
+    for layer in layers:
+        norm = next((mod for name, mod in model.named_modules()
+                     if name.endswith(f"layers.{layer}.{MLP_NORMS[0]}")
+                     or name.endswith(f"layers.{layer}.{MLP_NORMS[1]}")), None)
+        if norm is None:
+            raise SystemExit(f"layer {layer}: no MLP norm named {MLP_NORMS}")
+        handles.append(norm.register_forward_pre_hook(
+            lambda mod, args, layer=layer: kept[layer].append(
+                args[0].reshape(-1, args[0].shape[-1]).half())))
+    return kept, handles
 
 
 def main() -> None:
@@ -72,7 +92,13 @@ def main() -> None:
     torch.manual_seed(0)
     loaded = load_model(args.model)
     ids = loaded.encode(documentation_text("calibration"), args.tokens)
-    traces = {t.layer: t for t in cal.record(loaded.model, ids, args.cache, layers=args.layers)}
+    residual, handles = residual_hooks(loaded.model, args.layers)
+    try:
+        traces = {t.layer: t for t in cal.record(loaded.model, ids, args.cache,
+                                                 layers=args.layers)}
+    finally:
+        for handle in handles:
+            handle.remove()
     for layer in args.layers:
         trace = traces[layer]
         if trace.up is None:
@@ -94,6 +120,12 @@ def main() -> None:
             row[name] = cal.train_predictor(trace, rank, epochs)[1]["recall"]
         for name, loss in LOSSES.items():
             row[f"r128 {name}"] = cal.train_predictor(trace, 128, 12, loss_fn=loss)[1]["recall"]
+        stream = torch.cat(residual[layer])
+        if stream.shape[0] >= x.shape[0]:  # not with --cache: then only record's discovery ran
+            stream = stream[-x.shape[0]:]  # the rows of the recorded sequences
+            on_stream = cal.MLPTrace(layer, stream, trace.h, trace.first, trace.up, trace.down,
+                                     trace.act)
+            row["r128 residual stream"] = cal.train_predictor(on_stream, 128, 12)[1]["recall"]
         print(f"layer {layer}: " + ", ".join(f"{n} {v:.3f}" for n, v in row.items()), flush=True)
 
 
