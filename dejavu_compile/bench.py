@@ -23,6 +23,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -414,6 +415,20 @@ def _mark_cache_static(cache) -> None:
                 torch._dynamo.mark_static_address(value)
 
 
+def _prefilled(model, ids: torch.Tensor, length: int):
+    """A static cache of ``length`` positions after an eager prefill of ``ids`` [1, P], its
+    tensors marked static, and an all-ones attention mask over it."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    model(input_ids=ids, past_key_values=cache,
+          cache_position=torch.arange(ids.shape[1], device="cuda"), use_cache=True)
+    _mark_cache_static(cache)
+    # A mask over the whole static cache and explicit positions keep the decode step free of
+    # data-dependent shapes (OPT otherwise sizes its mask by the cache's filled length).
+    return cache, torch.ones(1, length, dtype=torch.long, device="cuda")
+
+
 @torch.no_grad()
 def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
                    warmup: int = 2, breakdown: bool = False) -> DecodeResult:
@@ -421,21 +436,14 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     only the decode step is compiled), with a static cache; ``forward`` is the (compiled or
     plain) forward to call for decode steps."""
     from torch.profiler import ProfilerActivity, profile
-    from transformers import StaticCache
 
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
     times, host, prof = [], [], None
     extra = PROFILED_STEPS if breakdown else 0
     for rep in range(warmup + 1):
-        cache = StaticCache(config=model.config, max_cache_len=prompt + new + extra + 1)
-        model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"),
-              use_cache=True)
-        _mark_cache_static(cache)
+        cache, mask = _prefilled(model, ids, prompt + new + extra + 1)
         tok = ids[:, -1:]
-        # A mask over the whole static cache and explicit positions keep the decode step free of
-        # data-dependent shapes (OPT otherwise sizes its mask by the cache's filled length).
-        mask = torch.ones(1, prompt + new + extra + 1, dtype=torch.long, device="cuda")
         torch.cuda.synchronize()
         steps, calls = [], []
         for i in range(new + extra if rep == warmup else 4):
@@ -467,14 +475,8 @@ def _pipelined_ms(model, forward, ids: torch.Tensor, new: int) -> float:
     """ms per token of ``new`` decode steps after a prefill of ``ids``, launched without waiting
     for each other: the next token and its position never leave the GPU, and the one
     synchronisation is after the last step."""
-    from transformers import StaticCache
-
     prompt = ids.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=prompt + new + 1)
-    model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt, device="cuda"),
-          use_cache=True)
-    _mark_cache_static(cache)
-    mask = torch.ones(1, prompt + new + 1, dtype=torch.long, device="cuda")
+    cache, mask = _prefilled(model, ids, prompt + new + 1)
     pos = torch.full((1,), prompt, device="cuda")
     tok = ids[:, -1:]
     torch.cuda.synchronize()
@@ -524,18 +526,11 @@ def _programmatic_launch(on: bool):
     """``DEJAVU_PDL`` set to 1 (``on``) or unset while the block runs, then restored."""
     from dejavu_compile.kernels.triton_common import PDL_ENV
 
-    before = os.environ.get(PDL_ENV)
-    if on:
-        os.environ[PDL_ENV] = "1"
-    else:
+    with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ.pop(PDL_ENV, None)
-    try:
+        if on:
+            os.environ[PDL_ENV] = "1"
         yield
-    finally:
-        if before is None:
-            os.environ.pop(PDL_ENV, None)
-        else:
-            os.environ[PDL_ENV] = before
 
 
 @torch.no_grad()

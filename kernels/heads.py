@@ -172,14 +172,15 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
                   rows.stride(0), w.stride(0), parts.stride(1), parts.stride(0) if det else 0,
                   HAS_B=b is not None, ATOMIC=not det, IEEE=tc.ieee(rows, w),
                   ROWS=tc.UNION_ROWS, fixed=tc.UNION_TILE_FIXED if det else None)
-        return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
-    tc.launch(_head_proj_kernel,
-              lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"])),
-              rows, sel, w, b if b is not None else w, parts[0],
-              d, j, head_dim,
-              rows.stride(0), tc.idx_stride(sel), w.stride(0), parts.stride(1),
-              parts.stride(0) if det else 0,
-              HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_FIXED if det else None)
+    else:
+        tc.launch(_head_proj_kernel,
+                  lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"]),
+                             triton.cdiv(d, m["BLOCK_D"])),
+                  rows, sel, w, b if b is not None else w, parts[0],
+                  d, j, head_dim,
+                  rows.stride(0), tc.idx_stride(sel), w.stride(0), parts.stride(1),
+                  parts.stride(0) if det else 0,
+                  HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_FIXED if det else None)
     return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -189,10 +190,10 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
     rows = _rows(attn)
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
-    det = tc.deterministic()
-    if tc.shared(sel, rows.shape[0]):
-        parts = tc.partials(det, tc.reduce_slots(j, tc.UNION_REDUCE_FIXED), rows.shape[0], d_out,
-                            device=attn.device)
+    det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
+    fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED
+    parts = tc.partials(det, tc.reduce_slots(j, fixed), rows.shape[0], d_out, device=attn.device)
+    if shared:
         tc.launch(_head_out_union_kernel,
                   lambda m: (triton.cdiv(rows.shape[0], tc.UNION_ROWS),
                              triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
@@ -202,15 +203,14 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
                   rows.stride(0), wo_t.stride(0), wo_t.stride(1), parts.stride(1),
                   parts.stride(0) if det else 0,
                   ATOMIC=not det, IEEE=tc.ieee(rows, wo_t), ROWS=tc.UNION_ROWS,
-                  fixed=tc.UNION_REDUCE_FIXED if det else None)
-        return tc.finish(tc.total(parts, det), b, attn.dtype).reshape(*attn.shape[:-1], d_out)
-    parts = tc.partials(det, tc.reduce_slots(j), rows.shape[0], d_out, device=attn.device)
-    tc.launch(_head_out_kernel,
-              lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
-                         triton.cdiv(d_out, m["BLOCK_D"])),
-              rows, sel, wo_t, parts[0],
-              d_out, j, head_dim,
-              rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1), parts.stride(1),
-              parts.stride(0) if det else 0,
-              ATOMIC=not det, fixed=tc.REDUCE_FIXED if det else None)
+                  fixed=fixed if det else None)
+    else:
+        tc.launch(_head_out_kernel,
+                  lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
+                             triton.cdiv(d_out, m["BLOCK_D"])),
+                  rows, sel, wo_t, parts[0],
+                  d_out, j, head_dim,
+                  rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1),
+                  parts.stride(1), parts.stride(0) if det else 0,
+                  ATOMIC=not det, fixed=fixed if det else None)
     return tc.finish(tc.total(parts, det), b, attn.dtype).reshape(*attn.shape[:-1], d_out)

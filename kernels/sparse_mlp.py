@@ -244,14 +244,14 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
                parts.stride(0) if det else 0,
                GATED=gated, ATOMIC=not det, IEEE=ieee(rows, w, w_up), ROWS=UNION_ROWS,
                fixed=UNION_TILE_FIXED if det else None)
-        return
-    launch(_up_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"]),
-                                  triton.cdiv(d, m["BLOCK_D"])),
-           rows, sel, w, w_up, pre_target, up_target,
-           d, k,
-           rows.stride(0), idx_stride(sel), w.stride(0), w_up.stride(0), parts.stride(2),
-           parts.stride(0) if det else 0,
-           GATED=gated, ATOMIC=not det, fixed=TILE_FIXED if det else None)
+    else:
+        launch(_up_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"]),
+                                      triton.cdiv(d, m["BLOCK_D"])),
+               rows, sel, w, w_up, pre_target, up_target,
+               d, k,
+               rows.stride(0), idx_stride(sel), w.stride(0), w_up.stride(0), parts.stride(2),
+               parts.stride(0) if det else 0,
+               GATED=gated, ATOMIC=not det, fixed=TILE_FIXED if det else None)
 
 
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
@@ -267,15 +267,15 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
                parts.stride(0) if det else 0,
                ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
                IEEE=ieee(w2_t), ROWS=UNION_ROWS, fixed=UNION_REDUCE_FIXED if det else None)
-        return
-    launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
-                                    triton.cdiv(d_out, m["BLOCK_D"])),
-           pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
-           d_out, k,
-           pre.stride(1), idx_stride(sel), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
-           parts.stride(0) if det else 0,
-           ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
-           fixed=REDUCE_FIXED if det else None)
+    else:
+        launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                                        triton.cdiv(d_out, m["BLOCK_D"])),
+               pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
+               d_out, k,
+               pre.stride(1), idx_stride(sel), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
+               parts.stride(0) if det else 0,
+               ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
+               fixed=REDUCE_FIXED if det else None)
 
 
 def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:

@@ -220,7 +220,7 @@ def dot_split(h, b, acc, IEEE: tl.constexpr):
     half type's mantissa, so ``h`` is not rounded to it; an fp16 ``h`` beyond fp16's range,
     65504, overflows here as it would in the dense model's fp16 MLP)."""
     if IEEE:
-        return tl.dot(h, b.to(tl.float32), acc, input_precision="ieee")
+        return dot_rows(h, b, acc, True)
     high = h.to(b.dtype)
     low = (h - high.to(tl.float32)).to(b.dtype)
     return tl.dot(low, b, tl.dot(high, b, acc))

@@ -29,16 +29,10 @@ def _model():
 def _teacher_forced_logits(model, forward, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of every decode step of ``tokens`` [1, P + STEPS] after a P-token prefill, with a
     static cache (the CUDA-graph path of ``dejavu bench``)."""
-    from transformers import StaticCache
-
-    from dejavu_compile.bench import _mark_cache_static
+    from dejavu_compile.bench import _prefilled
 
     prompt = tokens.shape[1] - STEPS
-    cache = StaticCache(config=model.config, max_cache_len=tokens.shape[1] + 1)
-    model(input_ids=tokens[:, :prompt], past_key_values=cache,
-          cache_position=torch.arange(prompt, device="cuda"), use_cache=True)
-    _mark_cache_static(cache)
-    mask = torch.ones(1, tokens.shape[1] + 1, dtype=torch.long, device="cuda")
+    cache, mask = _prefilled(model, tokens[:, :prompt], tokens.shape[1] + 1)
     out = []
     for i in range(STEPS):
         pos = torch.tensor([prompt + i], device="cuda")
