@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -310,29 +311,26 @@ class DecodeResult:
 PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
 
 
-STEP_GAP_US = 100.0  # a gap between kernels at least this long separates two profiled steps
-
-
 def _gpu_span_ms(prof, steps: int) -> float | None:
-    """Median over the profiled steps of first-kernel-start to last-kernel-end, in ms, the
-    steps told apart by the host's wait between them (a gap of ``STEP_GAP_US`` or more); None
-    when the kernels do not fall into ``steps`` such groups."""
+    """Median over the profiled steps of first-kernel-start to last-kernel-end, in ms. The
+    steps are told apart by the host's wait between them: the ``steps - 1`` longest gaps
+    between kernels are the boundaries. None when fewer than ``steps`` kernels were recorded."""
     from torch.autograd import DeviceType
 
     # kernels only: the position's host-to-device copy starts each step before the host's work
     spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
                    if ev.device_type == DeviceType.CUDA and not ev.name.startswith(("Memcpy",
                                                                                    "Memset")))
-    groups, first, last = [], None, None
-    for start, end in spans:
-        if first is not None and start - last >= STEP_GAP_US:
-            groups.append(last - first)
-            first = None
-        first = start if first is None else first
-        last = end if last is None else max(last, end)
-    if first is not None:
-        groups.append(last - first)
-    return statistics.median(groups) / 1e3 if len(groups) == steps else None
+    if len(spans) < steps:
+        return None
+    ends = [spans[0][1]]
+    for _, end in spans[1:]:
+        ends.append(max(ends[-1], end))  # the latest end so far: kernels may overlap
+    gaps = sorted(range(1, len(spans)), key=lambda i: spans[i][0] - ends[i - 1])
+    cuts = sorted(gaps[len(gaps) - (steps - 1):]) if steps > 1 else []
+    bounds = [0, *cuts, len(spans)]
+    groups = [ends[b - 1] - spans[a][0] for a, b in itertools.pairwise(bounds)]
+    return statistics.median(groups) / 1e3
 
 
 def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
@@ -462,7 +460,7 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
         times, host = steps[:new], calls[:new]
     if prof is not None:
         prof.stop()
-    pipelined = _pipelined_ms(model, forward, ids, new)
+    pipelined = _pipelined_ms(model, forward, ids, new, prompt + new + extra + 1)
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
@@ -471,12 +469,13 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
                         kernels, statistics.median(host), pipelined, span)
 
 
-def _pipelined_ms(model, forward, ids: torch.Tensor, new: int) -> float:
-    """ms per token of ``new`` decode steps after a prefill of ``ids``, launched without waiting
-    for each other: the next token and its position never leave the GPU, and the one
+def _pipelined_ms(model, forward, ids: torch.Tensor, new: int, length: int) -> float:
+    """ms per token of ``new`` decode steps after a prefill of ``ids`` into a static cache of
+    ``length`` positions (the timed steps' length: another would recompile), launched without
+    waiting for each other: the next token and its position never leave the GPU, and the one
     synchronisation is after the last step."""
     prompt = ids.shape[1]
-    cache, mask = _prefilled(model, ids, prompt + new + 1)
+    cache, mask = _prefilled(model, ids, length)
     pos = torch.full((1,), prompt, device="cuda")
     tok = ids[:, -1:]
     torch.cuda.synchronize()

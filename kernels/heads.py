@@ -77,17 +77,18 @@ def _head_out_kernel(
     row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for t in tl.static_range(TILES):
+    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # as sparse_mlp._down_kernel's
+    for t in range(TILES):
         offs = (pid * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < J
         wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
         vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
                     mask=mask[:, None] & mask_o[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * vals[:, None], 0)
-    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
-    add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
+        acc += w.to(tl.float32) * vals[:, None]
+    add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
+                ATOMIC)
 
 
 @triton.autotune(configs=union_tile_configs(), key=["D", "J"], reset_to_zero=["out_ptr"])

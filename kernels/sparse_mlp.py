@@ -10,7 +10,10 @@ BENCHMARKS.md):
 2. ``_down_kernel``: tile (selected neurons x a slice of d_out): ``h = act(pre + b1) [* up]``
    for its neurons, times their rows of ``W2_t`` ([N, d_out], a neuron's row contiguous: paper
    section 4.4), added into the fp32 output with atomics; each program first sums ``TILES``
-   (autotuned) neuron tiles in registers, so fewer atomics meet on each output.
+   (autotuned) neuron tiles in a loop, so fewer atomics meet on each output. The products
+   stay in a 2-d accumulator until the loop ends: one reduction over neurons per program
+   instead of one per tile took the Llama-3-8B down projection at density 0.5 from 29 to 18 us
+   on an H200 (examples/down_kernel_study.py, BENCHMARKS.md).
 
 A batch's union selection (one id row that every row reads) runs the same two steps in
 ``_up_union_kernel`` and ``_down_union_kernel``: each program loads its weight tile once and
@@ -114,27 +117,27 @@ def _down_kernel(
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for t in tl.static_range(TILES):
+    wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
+    # products summed over the tiles in a 2-d accumulator and reduced over neurons once at the
+    # end; a loop (not unrolled), which Triton software-pipelines: its loads run ahead
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for t in range(TILES):
         offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < K
         neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
         valid = neurons >= 0  # -1: past K or union padding
         w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
                      mask=valid[:, None] & mask_o[None, :], other=0.0)
-        if HAS_B1:
-            b1 = tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
-        if t == 0:
-            wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
         h = tl.load(pre_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
         if HAS_B1:
-            h += b1
+            h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
         h = apply_act(h, ACT)
         if GATED:
             h = h * tl.load(up_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
         h = tl.where(valid, h, 0.0)
-        acc += tl.sum(w2.to(tl.float32) * h[:, None], 0)
-    add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, acc, mask_o, ATOMIC)
+        acc += w2.to(tl.float32) * h[:, None]
+    add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
+                ATOMIC)
 
 
 @triton.autotune(configs=union_tile_configs(), key=["D", "K"],

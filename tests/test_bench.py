@@ -69,8 +69,8 @@ def test_kernel_breakdown_sums_per_step():
 
 
 def test_gpu_span_splits_the_profiled_steps():
-    """Kernels of one step lie close together; the host's wait between steps leaves a gap of
-    at least STEP_GAP_US: each step's span is its first start to its last end."""
+    """The host's wait between steps leaves the longest gaps between kernels: each step's span
+    is its first start to its last end, even when a step has a gap of its own."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -79,13 +79,16 @@ def test_gpu_span_splits_the_profiled_steps():
         return SimpleNamespace(device_type=device, name=name,
                                time_range=SimpleNamespace(start=start, end=end))
 
-    steps = [[kernel(0, 10), kernel(12, 40)], [kernel(500, 530), kernel(531, 560)],
-             [kernel(1000, 1050)]]
+    # the second step idles 150 us inside; its first kernel overlaps its second
+    steps = [[kernel(0, 10), kernel(12, 40)], [kernel(500, 600), kernel(510, 530),
+                                               kernel(750, 760)], [kernel(1300, 1350)]]
     events = [k for step in steps for k in step] + [
         kernel(0, 2000, DeviceType.CPU), kernel(300, 301, name="Memcpy HtoD (Pageable -> Device)")]
     prof = SimpleNamespace(events=lambda: events)
-    assert bench._gpu_span_ms(prof, 3) == pytest.approx(0.05)  # median of 40, 60, 50 us
-    assert bench._gpu_span_ms(prof, 4) is None  # not the number of steps profiled
+    assert bench._gpu_span_ms(prof, 3) == pytest.approx(0.05)  # median of 40, 260, 50 us
+    # four steps cut the longest gap inside a step too: 40, 100, 10, 50 us
+    assert bench._gpu_span_ms(prof, 4) == pytest.approx(0.045)
+    assert bench._gpu_span_ms(prof, 7) is None  # fewer kernels than steps
 
 
 def test_markdown_has_every_section():

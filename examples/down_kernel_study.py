@@ -1,0 +1,121 @@
+"""Variants of the transposed gathered GEMV (the down and output projections) timed on a GPU.
+
+``out[o] = sum_n relu(pre[n]) * W[ids[n], o]``, W [N, d_out] fp16 row-major (a selected
+row contiguous), against the package's ``_down_kernel`` as autotuned. Two variants keep the
+products in a 2-d accumulator and reduce over rows once per program (the package's kernel
+reduced once per tile until this study): ``acc2d`` unrolls its tiles, ``loop`` runs them in a
+loop that Triton software-pipelines. Prints the 12 fastest of each shape with GB/s on the
+bytes read. About 3 minutes per shape on an H200 (compiling each config):
+
+    python examples/down_kernel_study.py            # needs a CUDA GPU
+"""
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+from dejavu_compile.kernels import sparse_mlp as sm
+
+
+@triton.jit
+def _v_acc2d(pre_ptr, idx_ptr, w_ptr, out_ptr, DOUT, K, stride_w,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+             EVICT: tl.constexpr):
+    pid_n, pid_o = tl.program_id(0), tl.program_id(1)
+    offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_o = offs_o < DOUT
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < K
+        n = tl.load(idx_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)
+        valid = n >= 0
+        if EVICT:
+            w = tl.load(w_ptr + n[:, None] * stride_w + offs_o[None, :],
+                        mask=valid[:, None] & mask_o[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptr + n[:, None] * stride_w + offs_o[None, :],
+                        mask=valid[:, None] & mask_o[None, :], other=0.0)
+        h = tl.maximum(tl.load(pre_ptr + offs_n, mask=mask_n, other=0.0), 0.0)
+        acc += w.to(tl.float32) * h[:, None]
+    tl.atomic_add(out_ptr + offs_o, tl.sum(acc, 0), mask=mask_o, sem="relaxed")
+
+@triton.jit
+def _v_loop(pre_ptr, idx_ptr, w_ptr, out_ptr, DOUT, K, stride_w, PER,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n, pid_o = tl.program_id(0), tl.program_id(1)
+    offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_o = offs_o < DOUT
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for t in range(0, PER):
+        offs_n = (pid_n * PER + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < K
+        n = tl.load(idx_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)
+        w = tl.load(w_ptr + n[:, None] * stride_w + offs_o[None, :],
+                    mask=(n >= 0)[:, None] & mask_o[None, :], other=0.0)
+        h = tl.maximum(tl.load(pre_ptr + offs_n, mask=mask_n, other=0.0), 0.0)
+        acc += w.to(tl.float32) * h[:, None]
+    tl.atomic_add(out_ptr + offs_o, tl.sum(acc, 0), mask=mask_o, sem="relaxed")
+
+LAYERS = 8  # weight sets per timing, read in turn: more bytes than the L2 holds
+
+
+def bench(fn):
+    def body():
+        for i in range(LAYERS):
+            fn(i)
+    return triton.testing.do_bench_cudagraph(body, rep=100) / LAYERS
+
+
+
+
+SHAPES = [("llama down .5", 14336, 7168, 4096), ("llama down .1", 14336, 1434, 4096),
+          ("opt down .1", 20480, 2048, 5120), ("opt out .5", 5120, 2560, 5120),
+          ("llama out .5", 4096, 2048, 4096)]
+ACC2D = [c for c in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8, 16), (4, 8), (0, 1))
+         if c[0] * c[1] * c[2] <= 32 * 512 * 8 and c[0] * c[1] <= 16384 and (not c[4] or c[1] == 256)]
+LOOP = list(itertools.product((16, 32), (256, 512), (8, 16, 32), (4, 8)))
+
+
+def study(name: str, n: int, k: int, dout: int) -> None:
+    ws = [torch.randn(n, dout, device="cuda", dtype=torch.float16) for _ in range(LAYERS)]
+    ids = torch.randperm(n, device="cuda")[:k].sort().values
+    pre = torch.randn(1, 1, k, device="cuda")
+    out = torch.zeros(1, 1, dout, device="cuda")
+    ref = torch.relu(pre.view(k)) @ ws[0][ids].float()
+    res = [(bench(lambda i: sm._launch_down(pre, ids.view(1, k), None, ws[i], out, "relu",
+                                            False, False)),
+            "current autotuned", str(sm._down_kernel.best_config))]
+    for bn, bd, tiles, warps, ev in ACC2D:
+        grid = (triton.cdiv(k, bn * tiles), triton.cdiv(dout, bd))
+
+        def acc2d(i, bn=bn, bd=bd, tiles=tiles, warps=warps, ev=ev, grid=grid):
+            _v_acc2d[grid](pre, ids, ws[i], out, dout, k, dout, BLOCK_N=bn, BLOCK_D=bd,
+                           TILES=tiles, EVICT=ev, num_warps=warps)
+
+        out.zero_()
+        acc2d(0)
+        err = ((out.view(-1) - ref).abs().max() / ref.abs().max()).item()
+        res.append((bench(acc2d), f"acc2d bn{bn} bd{bd} t{tiles} w{warps} ev{ev}",
+                    f"err {err:.1e}"))
+    for bn, bd, per, warps in LOOP:
+        grid = (triton.cdiv(k, bn * per), triton.cdiv(dout, bd))
+
+        def loop(i, bn=bn, bd=bd, per=per, warps=warps, grid=grid):
+            _v_loop[grid](pre, ids, ws[i], out, dout, k, dout, per, BLOCK_N=bn, BLOCK_D=bd,
+                          num_warps=warps)
+
+        res.append((bench(loop), f"loop bn{bn} bd{bd} per{per} w{warps}", ""))
+    gb = k * dout * 2 / 1e9
+    print(f"== {name}: k={k} dout={dout}, {gb * 1e3:.1f} MB", flush=True)
+    res.sort()
+    for t, what, extra in [r for r in res if r[1].startswith("current")] + res[:12]:
+        print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  {what} {extra}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    for shape in SHAPES:
+        study(*shape)
