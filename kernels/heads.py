@@ -65,14 +65,16 @@ def _head_proj_kernel(
 
 
 # column stride in the key: see sparse_mlp._down_kernel
-@triton.autotune(configs=reduce_configs(), key=["DOUT", "J", "stride_wo"], reset_to_zero=["out_ptr"])
+@triton.autotune(configs=reduce_configs(), key=["DOUT", "J", "stride_wo"],
+                 reset_to_zero=["out_ptr", "cnt_ptr"])
 @triton.jit
 def _head_out_kernel(
-    a_ptr, idx_ptr, w_ptr, out_ptr,
+    # FUSED: the kernel finishes into ``fin_ptr`` (as sparse_mlp._down_kernel)
+    a_ptr, idx_ptr, w_ptr, out_ptr, fin_ptr, b_ptr, cnt_ptr,
     DOUT, J, HEAD_DIM,
     stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_part,
-    ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
-    PDL: tl.constexpr,
+    ATOMIC: tl.constexpr, FUSED: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -89,6 +91,10 @@ def _head_out_kernel(
         acc += w.to(tl.float32) * vals[:, None]
     add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
+    if FUSED:
+        tc.finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
+                       b_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
+                       tl.num_programs(1), HAS_B)
 
 
 @triton.autotune(configs=union_tile_configs(), key=["D", "J"], reset_to_zero=["out_ptr"])
@@ -193,7 +199,13 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
     fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED
-    parts = tc.partials(det, tc.reduce_slots(j, fixed), rows.shape[0], d_out, device=attn.device)
+    fin = cnt = None
+    if tc.fuses_finish(det, shared):
+        _, sums, cnt, fin = tc.fused_targets(rows.shape[0], d_out, 0, attn.dtype, attn.device)
+        parts = sums[None]
+    else:
+        parts = tc.partials(det, tc.reduce_slots(j, fixed), rows.shape[0], d_out,
+                            device=attn.device)
     if shared:
         tc.launch(_head_out_union_kernel,
                   lambda m: (triton.cdiv(rows.shape[0], tc.UNION_ROWS),
@@ -209,9 +221,13 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
         tc.launch(_head_out_kernel,
                   lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
                              triton.cdiv(d_out, m["BLOCK_D"])),
-                  rows, sel, wo_t, parts[0],
+                  rows, sel, wo_t, parts[0], fin if fin is not None else parts,
+                  b if b is not None else wo_t, cnt if cnt is not None else parts,
                   d_out, j, head_dim,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1),
                   parts.stride(1), parts.stride(0) if det else 0,
-                  ATOMIC=not det, fixed=fixed if det else None)
-    return tc.finish(tc.total(parts, det), b, attn.dtype).reshape(*attn.shape[:-1], d_out)
+                  ATOMIC=not det, FUSED=fin is not None, HAS_B=b is not None,
+                  fixed=fixed if det else None)
+    if fin is None:
+        fin = tc.finish(tc.total(parts, det), b, attn.dtype)
+    return fin.reshape(*attn.shape[:-1], d_out)

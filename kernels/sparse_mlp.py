@@ -46,6 +46,9 @@ from .triton_common import (
     dot_rows,
     dot_split,
     finish,
+    finish_last,
+    fused_targets,
+    fuses_finish,
     idx_stride,
     ieee,
     launch,
@@ -99,11 +102,12 @@ def _up_kernel(
 # the weight's column stride is in the key: a transposed view (the one call before the in-place
 # re-layout) must not pick the tiles that every later call, on the re-laid-out rows, runs with
 @triton.autotune(configs=reduce_configs(), key=["DOUT", "K", "stride_w2o"],
-                 reset_to_zero=["out_ptr"])
+                 reset_to_zero=["out_ptr", "cnt_ptr"])
 @triton.jit
 def _down_kernel(
-    # pointers
-    pre_ptr, up_ptr, idx_ptr, b1_ptr, w2t_ptr, out_ptr,
+    # pointers (FUSED: ``fin_ptr`` the output in its dtype, ``b2_ptr`` its bias, ``cnt_ptr``
+    # the counters of ``triton_common.finish_last``)
+    pre_ptr, up_ptr, idx_ptr, b1_ptr, w2t_ptr, out_ptr, fin_ptr, b2_ptr, cnt_ptr,
     # sizes
     DOUT, K,
     # strides (``W2_t`` may be any view: a row per neuron is fastest, see the lower pass)
@@ -112,6 +116,7 @@ def _down_kernel(
     stride_part,
     # meta-parameters
     ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
+    FUSED: tl.constexpr, HAS_B2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -138,6 +143,10 @@ def _down_kernel(
         acc += w2.to(tl.float32) * h[:, None]
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
+    if FUSED:
+        finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
+                    b2_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
+                    tl.num_programs(1), HAS_B2)
 
 
 @triton.autotune(configs=union_tile_configs(), key=["D", "K"],
@@ -221,18 +230,23 @@ def _down_union_kernel(
                 acc, mask_r[:, None] & mask_o[None, :], ATOMIC)
 
 
-def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device,
-             zero_pre: bool = False, union: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device, dtype,
+             zero_pre: bool = False, union: bool = False):
     """fp32 targets of the partial sums (``triton_common.partials``), pre-activations
     [S, n_pre, R, k] and output [S', R, d_out]; with atomics both share one zeroed buffer (one
-    launch)."""
+    launch), and with per-row ids the down kernel's counters too, and the op's output
+    [R, d_out] in ``dtype`` that it finishes itself (``triton_common.finish_last``; otherwise
+    None). Returns (pre, out, counters or None, output or None)."""
     if not det:
+        if fuses_finish(det, union):
+            pre, out, cnt, fin = fused_targets(n_rows, d_out, n_pre * n_rows * k, dtype, device)
+            return pre.view(1, n_pre, n_rows, k), out[None], cnt, fin
         buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=device, dtype=torch.float32)
         return (buf[: n_pre * n_rows * k].view(1, n_pre, n_rows, k),
-                buf[n_pre * n_rows * k:].view(1, n_rows, d_out))
+                buf[n_pre * n_rows * k:].view(1, n_rows, d_out), None, None)
     reduce = UNION_REDUCE_FIXED if union else REDUCE_FIXED
     return (partials(True, tile_slots(d), n_pre, n_rows, k, device=device, zero=zero_pre),
-            partials(True, reduce_slots(k, reduce), n_rows, d_out, device=device))
+            partials(True, reduce_slots(k, reduce), n_rows, d_out, device=device), None, None)
 
 
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
@@ -257,8 +271,11 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
                GATED=gated, ATOMIC=not det, fixed=TILE_FIXED if det else None)
 
 
-def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
-    """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP)."""
+def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
+                 fin=None, b2=None, cnt=None):
+    """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP). With ``fin``
+    (per-row ids, atomics) the kernel finishes its outputs into it, adding ``b2``, counting in
+    ``cnt`` (``triton_common.finish_last``)."""
     k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
     if shared(sel, n_rows):
         launch(_down_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -274,10 +291,13 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool):
         launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                                         triton.cdiv(d_out, m["BLOCK_D"])),
                pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
+               fin if fin is not None else parts, b2 if b2 is not None else w2_t,
+               cnt if cnt is not None else parts,
                d_out, k,
                pre.stride(1), idx_stride(sel), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
                parts.stride(0) if det else 0,
                ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
+               FUSED=fin is not None, HAS_B2=b2 is not None,
                fixed=REDUCE_FIXED if det else None)
 
 
@@ -295,11 +315,13 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) ->
     sel = selection(idx, rows.shape[0], w1.shape[0], union)
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
-    pre, out = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device,
-                        union=shared(sel, rows.shape[0]))
+    pre, out, cnt, fin = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device,
+                                  x.dtype, union=shared(sel, rows.shape[0]))
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
-    _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det)
-    return finish(total(out, det), b2, x.dtype).reshape(*x.shape[:-1], d_out)
+    _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt)
+    if fin is None:
+        fin = finish(total(out, det), b2, x.dtype)
+    return fin.reshape(*x.shape[:-1], d_out)
 
 
 def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:
@@ -319,11 +341,13 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -
     sel = selection(idx, n_rows, w_up.shape[0], union)
     k = sel.shape[1]
     # the gate's slots after the first stay zero, so the ordered sum keeps the gathered values
-    pre, out = _targets(det, 2, n_rows, k, d, d_out, x.device, zero_pre=det,
-                        union=shared(sel, n_rows))
+    pre, out, cnt, fin = _targets(det, 2, n_rows, k, d, d_out, x.device, x.dtype, zero_pre=det,
+                                  union=shared(sel, n_rows))
     # the gate of each row at the ids (padding reads unit 0; the kernels skip it)
     torch.gather(g.reshape(n_rows, -1).float(), 1, sel.clamp_min(0).expand(n_rows, -1),
                  out=pre[0, 0])
     _launch_up(rows, sel, w_up, w_up, pre[0, 1], pre[0, 1], pre, False, det)
-    _launch_down(total(pre, det), sel, None, w2_t, out, act, True, det)
-    return finish(total(out, det), b2, x.dtype).reshape(*x.shape[:-1], d_out)
+    _launch_down(total(pre, det), sel, None, w2_t, out, act, True, det, fin, b2, cnt)
+    if fin is None:
+        fin = finish(total(out, det), b2, x.dtype)
+    return fin.reshape(*x.shape[:-1], d_out)

@@ -151,11 +151,30 @@ def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
 
 @triton.jit
 def add_partial(ptrs, vals, mask, ATOMIC: tl.constexpr):
-    """Add ``vals`` into ``ptrs`` with atomics, or store them (each program its own slot)."""
+    """Add ``vals`` into ``ptrs`` with atomics, or store them (each program its own slot).
+    The atomics are relaxed: what reads the sums is a later kernel, or ``finish_last`` after
+    its barrier and counter."""
     if ATOMIC:
-        tl.atomic_add(ptrs, vals, mask=mask)
+        tl.atomic_add(ptrs, vals, mask=mask, sem="relaxed")
     else:
         tl.store(ptrs, vals, mask=mask)
+
+
+@triton.jit
+def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.constexpr):
+    """The finish launch folded into a reducing kernel: after this program has added its
+    partial sums into ``acc_ptrs`` (fp32), it counts itself in ``cnt_ptr``; the last of the
+    ``n_split`` programs adding into these outputs reads the sums (atomically, from L2 where
+    the atomics ran), adds the bias and stores them at ``out_ptrs`` in the output's dtype.
+    The barrier puts every thread's atomics before the count (its release); the count's
+    acquire puts the other programs' before the read."""
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == n_split - 1:
+        v = tl.atomic_add(acc_ptrs, tl.zeros(acc_ptrs.shape, dtype=tl.float32), mask=mask,
+                          sem="acquire")
+        if HAS_B:
+            v += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, v.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -260,6 +279,27 @@ def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
     if HAS_B:
         v += b
     tl.store(out_ptr + row * stride_out + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+COUNT_BLOCK = 16  # the smallest BLOCK_D of a reducing kernel: sizes its counters
+
+
+def fused_targets(n_rows: int, d_out: int, before: int, dtype, device):
+    """Targets of a reducing kernel that finishes its outputs itself (``finish_last``): one
+    zeroed fp32 buffer (one launch) holding ``before`` values the op's earlier kernel adds
+    into, the [R, d_out] sums, and the [R, d_out / COUNT_BLOCK] counters (int32, zero bits);
+    and the op's output [R, d_out] in ``dtype``. Returns (earlier, sums, counters, output)."""
+    counters = n_rows * triton.cdiv(d_out, COUNT_BLOCK)
+    buf = torch.zeros(before + n_rows * d_out + counters, device=device, dtype=torch.float32)
+    sums = buf[before: before + n_rows * d_out].view(n_rows, d_out)
+    return (buf[:before], sums, buf[before + n_rows * d_out:].view(torch.int32),
+            torch.empty(n_rows, d_out, device=device, dtype=dtype))
+
+
+def fuses_finish(det: bool, shared_ids: bool) -> bool:
+    """Whether a reducing kernel finishes its outputs itself: with atomics and per-row ids (the
+    union kernels and deterministic mode launch ``finish`` after)."""
+    return not det and not shared_ids
 
 
 def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -315,3 +315,34 @@ def test_programmatic_launch_is_off_unless_asked(monkeypatch):
         assert not tc.programmatic()
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_reducing_kernels_finish_their_outputs(dtype, batch, monkeypatch):
+    """With atomics and per-row ids, the down and output-projection kernels add the bias and
+    cast their outputs themselves (the last program of each output tile): no finish launch,
+    and the result is the reference's over many programs per output."""
+    from dejavu_compile.kernels import triton_common as tc
+
+    def no_finish(*args, **kwargs):
+        raise AssertionError("a separate finish launch")
+
+    monkeypatch.setattr(sparse_mlp, "finish", no_finish)
+    monkeypatch.setattr(tc, "finish", no_finish)
+    d, n, d_out, k = 24, 96, 40, 70  # under the interpreter's tiles, 5 programs per output
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
+    b1, b2 = _rand(n, dtype=dtype, seed=3), _rand(d_out, dtype=dtype, seed=4)
+    idx = _selection(batch, n, k).view(batch, 1, k)
+    want = _ref64(ref.sparse_mlp, x, idx, w1, b1, None, w2_t, b2, "relu")
+    got = sparse_mlp.sparse_mlp(x, idx, w1, b1, None, w2_t, b2, "relu")
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+    attn = _rand(batch, 1, 12 * 8, dtype=dtype, seed=5)
+    wo_t = _rand(12 * 8, d_out, dtype=dtype, seed=6)
+    hid = _selection(batch, 12, 9).view(batch, 1, 9)
+    want = _ref64(ref.sparse_head_out, attn, hid, wo_t, b2, 8)
+    got = heads.sparse_head_out(attn, hid, wo_t, b2, 8)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
