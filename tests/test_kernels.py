@@ -347,3 +347,21 @@ def test_reducing_kernels_finish_their_outputs(dtype, batch, monkeypatch):
     want = _ref64(ref.sparse_head_out, attn, hid, wo_t, b2, 8)
     got = heads.sparse_head_out(attn, hid, wo_t, b2, 8)
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+def test_bucket_kernel_configs_fit_the_bucket():
+    """The bucket kernel's autotuning tries only rank chunks whose tile (bucket x chunk) stays
+    within 8192 values and that the rank fills."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_R": r}, num_warps=w) for r in (16, 32, 64, 128)
+               for w in (1, 4)]
+
+    def chunks(size, rank):
+        return sorted({c.kwargs["BLOCK_R"] for c in bucket_select._fitting(
+            configs, {"RANK": rank}, BLOCK_S=size)})
+
+    assert chunks(128, 128) == [16, 32, 64]
+    assert chunks(64, 128) == [16, 32, 64, 128]
+    assert chunks(1024, 128) == [16]  # 8192 // 1024 = 8, and 16 is the smallest chunk
+    assert chunks(64, 24) == [16, 32]  # a rank of 24 needs no chunk past 32
