@@ -45,18 +45,21 @@ def _head_proj_kernel(
     D, J, HEAD_DIM,
     stride_x, stride_idx, stride_w, stride_out, stride_part,
     HAS_B: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < J
     wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
-                mask=mask[:, None] & mask_d[None, :], other=0.0)
-    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # as sparse_mlp._up_kernel's
+    for t in range(TILES):
+        offs_d = (pid_d * TILES + t) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
+                    mask=mask[:, None] & mask_d[None, :], other=0.0)
+        acc2 += w.to(tl.float32) * x[None, :]
+    acc = tl.sum(acc2, axis=1)
     if HAS_B:
         bias = tl.load(b_ptr + wrows, mask=mask & (pid_d == 0), other=0.0).to(tl.float32)
         acc += bias
@@ -182,12 +185,12 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     else:
         tc.launch(_head_proj_kernel,
                   lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"]),
-                             triton.cdiv(d, m["BLOCK_D"])),
+                             triton.cdiv(d, m["BLOCK_D"] * m["TILES"])),
                   rows, sel, w, b if b is not None else w, parts[0],
                   d, j, head_dim,
                   rows.stride(0), tc.idx_stride(sel), w.stride(0), parts.stride(1),
                   parts.stride(0) if det else 0,
-                  HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_FIXED if det else None)
+                  HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_LOOP_FIXED if det else None)
     return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 

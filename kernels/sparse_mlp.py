@@ -1,12 +1,13 @@
 """Sparse MLP: gather the selected neurons' rows, activate, apply the transposed down projection.
 
-Two kernels, each over a 2-d grid of tiles with at most a short unrolled loop, so that even a
+Two kernels, each over a 2-d grid of tiles with at most a short loop, so that even a
 small selection puts hundreds of tiles in flight (a first version looping over d inside each
 program ran at a constant ~88 us on an H200 whatever the density: latency-bound, see
 BENCHMARKS.md):
 
 1. ``_up_kernel``: tile (selected neurons x a slice of d) of ``x . W1[rows]`` (and of
-   ``x . W_up[rows]`` for gated MLPs), added into fp32 pre-activations with atomics.
+   ``x . W_up[rows]`` for gated MLPs), added into fp32 pre-activations with atomics; each
+   program may sum ``TILES`` (autotuned) slices of d in a loop first.
 2. ``_down_kernel``: tile (selected neurons x a slice of d_out): ``h = act(pre + b1) [* up]``
    for its neurons, times their rows of ``W2_t`` ([N, d_out], a neuron's row contiguous: paper
    section 4.4), added into the fp32 output with atomics; each program first sums ``TILES``
@@ -35,7 +36,7 @@ import triton.language as tl
 from .triton_common import (
     ACT_CODES,
     REDUCE_FIXED,
-    TILE_FIXED,
+    TILE_LOOP_FIXED,
     UNION_REDUCE_FIXED,
     UNION_ROWS,
     UNION_TILE_FIXED,
@@ -79,24 +80,31 @@ def _up_kernel(
     stride_part,
     # meta-parameters
     GATED: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < K
     neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    tile = (neurons >= 0)[:, None] & mask_d[None, :]  # -1: union padding, no neuron
-    x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
-    if GATED:
-        u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile, other=0.0)
+    # TILES slices of d in a loop, products kept in 2-d accumulators, reduced once
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for t in range(TILES):
+        offs_d = (pid_d * TILES + t) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        tile = (neurons >= 0)[:, None] & mask_d[None, :]  # -1: union padding, no neuron
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile,
+                        other=0.0)
+            acc_up += u.to(tl.float32) * x[None, :]
     wait_inputs(PDL)  # the targets are the zero-fill's, the kernel before
     out = pid_d * stride_part + row * stride_pre + offs_n
-    add_partial(pre_ptr + out, tl.sum(w.to(tl.float32) * x[None, :], 1), mask_n, ATOMIC)
+    add_partial(pre_ptr + out, tl.sum(acc, 1), mask_n, ATOMIC)
     if GATED:
-        add_partial(up_out_ptr + out, tl.sum(u.to(tl.float32) * x[None, :], 1), mask_n, ATOMIC)
+        add_partial(up_out_ptr + out, tl.sum(acc_up, 1), mask_n, ATOMIC)
 
 
 # the weight's column stride is in the key: a transposed view (the one call before the in-place
@@ -263,12 +271,12 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
                fixed=UNION_TILE_FIXED if det else None)
     else:
         launch(_up_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"]),
-                                      triton.cdiv(d, m["BLOCK_D"])),
+                                      triton.cdiv(d, m["BLOCK_D"] * m["TILES"])),
                rows, sel, w, w_up, pre_target, up_target,
                d, k,
                rows.stride(0), idx_stride(sel), w.stride(0), w_up.stride(0), parts.stride(2),
                parts.stride(0) if det else 0,
-               GATED=gated, ATOMIC=not det, fixed=TILE_FIXED if det else None)
+               GATED=gated, ATOMIC=not det, fixed=TILE_LOOP_FIXED if det else None)
 
 
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,

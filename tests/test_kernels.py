@@ -365,3 +365,41 @@ def test_bucket_kernel_configs_fit_the_bucket():
     assert chunks(64, 128) == [16, 32, 64, 128]
     assert chunks(1024, 128) == [16]  # 8192 // 1024 = 8, and 16 is the smallest chunk
     assert chunks(64, 24) == [16, 32]  # a rank of 24 needs no chunk past 32
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_tile_kernels_loop_over_slices_of_d(deterministic, monkeypatch):
+    """The up and query-projection kernels with ``TILES`` > 1 (each program sums several
+    slices of d in a loop; the last one past d): against the reference, with atomics and with
+    one slot of partial sums per program."""
+    import triton
+
+    from dejavu_compile.kernels import triton_common as tc
+
+    loop = {**tc.TILE_FIXED, "TILES": 2}
+    for kernel in (sparse_mlp._up_kernel, heads._head_proj_kernel):
+        monkeypatch.setattr(kernel, "configs", [triton.Config(
+            {k: v for k, v in loop.items() if k != "num_warps"}, num_warps=loop["num_warps"])])
+    monkeypatch.setattr(tc, "TILE_LOOP_FIXED", loop)
+    monkeypatch.setattr(sparse_mlp, "TILE_LOOP_FIXED", loop)
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        d, n, d_out, k = 3 * tc.TILE_FIXED["BLOCK_D"] + 5, 45, 29, 20
+        x = _rand(2, 1, d, dtype=torch.float32, seed=0)
+        w1, w_up = _rand(n, d, dtype=torch.float32, seed=1), _rand(n, d, dtype=torch.float32, seed=2)
+        w2_t = _rand(n, d_out, dtype=torch.float32, seed=3)
+        idx = _selection(2, n, k).view(2, 1, k)
+        for gate in (None, w_up):
+            want = _ref64(ref.sparse_mlp, x, idx, w1, None, gate, w2_t, None, "silu")
+            got = sparse_mlp.sparse_mlp(x, idx, w1, None, gate, w2_t, None, "silu")
+            torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+        w = _rand(6 * 8, d, dtype=torch.float32, seed=4)
+        b = _rand(6 * 8, dtype=torch.float32, seed=5)
+        hid = _selection(2, 6, 3).view(2, 1, 3)
+        want = _ref64(ref.sparse_head_proj, x, hid, w, b, 8)
+        got = heads.sparse_head_proj(x, hid, w, b, 8)
+        torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
