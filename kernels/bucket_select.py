@@ -149,9 +149,10 @@ def _rows(name: str, t: torch.Tensor, k: int, buckets: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int
-                            ) -> torch.Tensor:
-    """The two-launch selector (module doc); ids [..., k * group], ascending."""
+def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """The two-launch selector (module doc); ids [..., k * group], ascending, written into
+    ``out`` when given."""
     check_dtype("select_predictor", x, w1, w2)
     rows = _rows("select_predictor", x, k, buckets)
     (n, d), rank = rows.shape, w1.shape[0]
@@ -162,17 +163,20 @@ def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buc
         rows.stride(0), w1.stride(0), z.stride(0),
         HAS_B1=b1 is not None, ACT=_act_code(act), **pdl_meta(),
     )
-    out = _rank_buckets(z, None, -1, w2, b2, k, group, buckets)
-    return out.reshape(*x.shape[:-1], k * group)
+    ids = _rank_buckets(z, None, -1, w2, b2, k, group, buckets,
+                        None if out is None else out.view(n, k * group))
+    return ids.reshape(*x.shape[:-1], k * group) if out is None else out
 
 
-def _rank_buckets(z, b1, act_code: int, w2, b2, k: int, group: int, buckets: int) -> torch.Tensor:
+def _rank_buckets(z, b1, act_code: int, w2, b2, k: int, group: int, buckets: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The bucket launch: z [n, rank] (act(z + b1) taken as loaded when ``b1`` / ``act_code``
-    say so) -> ids [n, k * group]."""
+    say so) -> ids [n, k * group], into ``out`` when given."""
     n, rank = z.shape
     units = w2.shape[0]
     size, keep = units // buckets, k // buckets
-    out = torch.empty(n, k * group, dtype=torch.int64, device=z.device)
+    if out is None:
+        out = torch.empty(n, k * group, dtype=torch.int64, device=z.device)
     block_s = max(2, triton.next_power_of_2(size))  # tl.topk needs two or more
     _bucket_kernel[(buckets, n)](
         z, b1 if b1 is not None else w2, w2, b2 if b2 is not None else w2, out, rank, size, keep,

@@ -38,13 +38,15 @@ except ImportError:  # no Triton: the PyTorch path below
         return False
 
 
-def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1
-                     ) -> torch.Tensor:
-    """x: [..., d]; w1: [r, d]; w2: [U, r]; returns unit ids [..., k * group], ascending."""
+def select_predictor(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., d]; w1: [r, d]; w2: [U, r]; returns unit ids [..., k * group], ascending: in
+    ``out`` when given (int64, contiguous; the bucket kernel writes it directly)."""
     if (x.is_cuda or INTERPRET) and bucketed(w2.shape[0], buckets):
-        return select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets)
+        return select_predictor_triton(x, w1, b1, w2, b2, act, k, group, buckets, out)
     h = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w1, b1)
-    return _rank(h, None, w2, b2, act, k, group, buckets).reshape(*x.shape[:-1], k * group)
+    ids = _rank(h, None, w2, b2, act, k, group, buckets).reshape(*x.shape[:-1], k * group)
+    return ids if out is None else out.copy_(ids)
 
 
 def select_hidden(h, b1, w2, b2, act: str, k: int, group: int, buckets: int = 1) -> torch.Tensor:

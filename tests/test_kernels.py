@@ -373,7 +373,6 @@ def test_tile_kernels_loop_over_slices_of_d(deterministic, monkeypatch):
     slices of d in a loop; the last one past d): against the reference, with atomics and with
     one slot of partial sums per program."""
     import triton
-
     from dejavu_compile.kernels import triton_common as tc
 
     loop = {**tc.TILE_FIXED, "TILES": 2}
@@ -403,3 +402,21 @@ def test_tile_kernels_loop_over_slices_of_d(deterministic, monkeypatch):
         torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+# buckets one program ranks (Triton), and buckets of 1050 units, past MAX_BUCKET (PyTorch)
+@pytest.mark.parametrize("units,buckets", [(96, 4), (2100, 2)])
+def test_selector_writes_into_a_given_output(units, buckets):
+    """``select_predictor(..., out=)`` (the lookahead side stream's call) writes the reference's
+    ids into ``out`` and returns it, on the Triton and the PyTorch paths alike."""
+    from dejavu_compile.kernels import predictor
+
+    d, rank, k = 37, 12, 24
+    assert bucket_select.bucketed(units, buckets) == (units == 96)
+    x = _rand(2, 1, d, dtype=torch.float16, seed=0)
+    w1, w2 = _rand(rank, d, dtype=torch.float16, seed=1), _rand(units, rank, dtype=torch.float16,
+                                                              seed=2)
+    want = ref.select_predictor(x, w1, None, w2, None, "relu", k, 1, buckets)
+    out = torch.full((2, 1, k), -7, dtype=torch.int64, device=DEVICE)
+    got = predictor.select_predictor(x, w1, None, w2, None, "relu", k, 1, buckets, out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
