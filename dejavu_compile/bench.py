@@ -868,7 +868,8 @@ def _breakdown_markdown(r: dict) -> list[str]:
     kernels = r["breakdown"][-1]["us_per_step"] / 1e3
     idle = ("" if span is None else
             f"; first kernel start to last kernel end {span:.2f} ms a step, of which "
-            f"{span - kernels:.2f} ms between kernels")
+            f"{span - kernels:.2f} ms between kernels (less than zero: kernels of two "
+            f"streams overlapped)")
     lines = [f"GPU kernel time per decode step, {r['model']} {r['mode']} (torch.profiler over 8 "
              f"steps; wall time {r['ms_per_token']:.2f} ms{idle}):", "",
              "| kernel | us per step | calls per step |", "| --- | --- | --- |"]
