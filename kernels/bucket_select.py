@@ -66,17 +66,22 @@ def _bucket_configs() -> list[triton.Config]:
     its 3.7 MB of weights takes about 1 us at copy bandwidth: the time goes to scoring and
     ranking. One config for correctness runs."""
     if INTERPRET or QUICK_TUNE:
-        return [triton.Config({"BLOCK_R": 16}, num_warps=4)]
-    return [triton.Config({"BLOCK_R": r}, num_warps=w) for r in (16, 32, 64, 128)
-            for w in (1, 2, 4, 8)]
+        return [triton.Config({"BLOCK_R": 16, "COUNT": 0}, num_warps=4)]
+    return [triton.Config({"BLOCK_R": r, "COUNT": c}, num_warps=w) for r in (16, 32, 64, 128)
+            for w in (1, 2, 4, 8) for c in (0, 1)]
+
+
+COUNT_MAX = 256  # the largest bucket ranked by counting (a BLOCK_S x BLOCK_S comparison)
 
 
 def _fitting(configs, named_args, **kwargs):
     """The configs whose tile (bucket x rank chunk) stays within 8192 values and whose chunk
-    is no wider than the rank needs (the bound the launch used before autotuning)."""
+    is no wider than the rank needs (the bound the launch used before autotuning); ranking by
+    counting only for buckets up to ``COUNT_MAX``."""
     size, rank = kwargs["BLOCK_S"], named_args["RANK"]
     cap = max(16, min(128, triton.next_power_of_2(rank), 8192 // size))
-    return [c for c in configs if c.kwargs["BLOCK_R"] <= cap] or configs[:1]
+    return [c for c in configs if c.kwargs["BLOCK_R"] <= cap
+            and (not c.kwargs["COUNT"] or size <= COUNT_MAX)] or configs[:1]
 
 
 @triton.autotune(configs=_bucket_configs(), key=["RANK", "SIZE", "KEEP", "BLOCK_S", "GROUP"],
@@ -88,7 +93,8 @@ def _bucket_kernel(
     stride_z, stride_w2, stride_out,
     HAS_B1: tl.constexpr, ACT: tl.constexpr,  # applied to z as loaded (a folded predictor)
     HAS_B2: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_inputs(PDL)  # z is the hidden kernel's (or the folded projection's)
     bucket, row = tl.program_id(0), tl.program_id(1)
@@ -115,13 +121,24 @@ def _bucket_kernel(
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     keys = (bits.to(tl.int64) << 32) | offs_s.to(tl.int64)
     keys = tl.where(mask_s, keys, -9223372036854775807 - 1)
-    top = tl.topk(keys, BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < KEEP
-    # the kept ids in ascending order (the rest pushed past them): reads walk memory forwards
-    local = tl.sort(tl.where(mask_k, top & 0xFFFFFFFF, 0x7FFFFFFF))
-    ids = bucket * SIZE + local
-    base = out_ptr + row * stride_out + (bucket * KEEP + offs_k) * GROUP
+    if COUNT:
+        # A unit is kept when fewer than KEEP keys are larger (keys are distinct): one
+        # comparison of every pair instead of two sorting networks; a running count over the
+        # kept units gives each its place, so the ids come out ascending.
+        larger = tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
+        kept = mask_s & (larger < KEEP)
+        place = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+        ids = bucket * SIZE + offs_s
+        base = out_ptr + row * stride_out + (bucket * KEEP + place) * GROUP
+        mask_k = kept
+    else:
+        top = tl.topk(keys, BLOCK_K)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < KEEP
+        # the kept ids in ascending order (the rest pushed past them): reads walk memory forwards
+        local = tl.sort(tl.where(mask_k, top & 0xFFFFFFFF, 0x7FFFFFFF))
+        ids = bucket * SIZE + local
+        base = out_ptr + row * stride_out + (bucket * KEEP + offs_k) * GROUP
     if GROUP == 1:
         tl.store(base, ids, mask=mask_k)
     else:

@@ -210,15 +210,18 @@ def test_kernels_refuse_unsupported_dtype():
 
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("units,k,group,buckets", [
+BUCKET_SHAPES = [
     (40, 20, 1, 1),  # the heads of a layer: one bucket
     (96, 24, 1, 4),  # neurons in four buckets
     (12, 6, 3, 1),  # KV groups expanded to their heads
     (30, 3, 1, 3),  # one unit kept per bucket
     (5, 5, 1, 5),  # every unit kept
     (3, 1, 4, 1),  # a single selected group
-])
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("units,k,group,buckets", BUCKET_SHAPES)
 @pytest.mark.parametrize("act,bias", [("relu", True), ("none", False), ("gelu", True)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_bucket_selector_kernel(dtype, units, k, group, buckets, act, bias, batch):
@@ -351,20 +354,26 @@ def test_reducing_kernels_finish_their_outputs(dtype, batch, monkeypatch):
 
 def test_bucket_kernel_configs_fit_the_bucket():
     """The bucket kernel's autotuning tries only rank chunks whose tile (bucket x chunk) stays
-    within 8192 values and that the rank fills."""
+    within 8192 values and that the rank fills, and ranks by counting only small buckets."""
     import triton
 
-    configs = [triton.Config({"BLOCK_R": r}, num_warps=w) for r in (16, 32, 64, 128)
-               for w in (1, 4)]
+    configs = [triton.Config({"BLOCK_R": r, "COUNT": c}, num_warps=w)
+               for r in (16, 32, 64, 128) for w in (1, 4) for c in (0, 1)]
 
     def chunks(size, rank):
         return sorted({c.kwargs["BLOCK_R"] for c in bucket_select._fitting(
             configs, {"RANK": rank}, BLOCK_S=size)})
 
+    def counting(size):
+        return {c.kwargs["COUNT"] for c in bucket_select._fitting(configs, {"RANK": 64},
+                                                                   BLOCK_S=size)}
+
     assert chunks(128, 128) == [16, 32, 64]
     assert chunks(64, 128) == [16, 32, 64, 128]
     assert chunks(1024, 128) == [16]  # 8192 // 1024 = 8, and 16 is the smallest chunk
     assert chunks(64, 24) == [16, 32]  # a rank of 24 needs no chunk past 32
+    # ranking by counting compares every pair: only for buckets up to COUNT_MAX units
+    assert counting(bucket_select.COUNT_MAX) == {0, 1} and counting(512) == {0}
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -420,3 +429,23 @@ def test_selector_writes_into_a_given_output(units, buckets):
     out = torch.full((2, 1, k), -7, dtype=torch.int64, device=DEVICE)
     got = predictor.select_predictor(x, w1, None, w2, None, "relu", k, 1, buckets, out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("units,k,group,buckets", BUCKET_SHAPES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bucket_kernel_ranking_by_counting(units, k, group, buckets, batch, monkeypatch):
+    """The bucket kernel's other ranking (config ``COUNT``: a unit is kept when fewer than
+    ``keep`` scores beat it, placed by a running count) gives the reference's ids, ascending,
+    as the sorting networks do; the autotuner picks whichever is faster."""
+    import triton
+
+    monkeypatch.setattr(bucket_select._bucket_kernel, "configs",
+                        [triton.Config({"BLOCK_R": 16, "COUNT": 1}, num_warps=4)])
+    d, rank = 37, 12
+    x = _rand(batch, 1, d, dtype=torch.float16, seed=0)
+    w1, w2 = _rand(rank, d, dtype=torch.float16, seed=1), _rand(units, rank, dtype=torch.float16,
+                                                              seed=2)
+    b1, b2 = _rand(rank, dtype=torch.float16, seed=3), _rand(units, dtype=torch.float16, seed=4)
+    want = ref.select_predictor(x, w1, b1, w2, b2, "relu", k, group, buckets)
+    got = bucket_select.select_predictor_triton(x, w1, b1, w2, b2, "relu", k, group, buckets)
+    assert torch.equal(got, want)
