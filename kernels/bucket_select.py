@@ -45,14 +45,16 @@ def _hidden_kernel(
     pid_h, row = tl.program_id(0), tl.program_id(1)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < RANK
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # products kept in a 2-d accumulator over the loop and reduced once (as the down kernel's)
+    acc2 = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         w = tl.load(w1_ptr + offs_h[:, None] * stride_w1 + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        acc2 += w.to(tl.float32) * x[None, :]
+    acc = tl.sum(acc2, 1)
     if HAS_B1:
         acc += tl.load(b1_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     if ACT >= 0:
@@ -76,11 +78,13 @@ COUNT_MAX = 256  # the largest bucket ranked by counting (a BLOCK_S x BLOCK_S co
 
 def _fitting(configs, named_args, **kwargs):
     """The configs whose tile (bucket x rank chunk) stays within 8192 values and whose chunk
-    is no wider than the rank needs (the bound the launch used before autotuning); ranking by
-    counting only for buckets up to ``COUNT_MAX``."""
+    is no wider than the rank needs (the bound the launch used before autotuning), with at most
+    128 of the tile's values per thread (the tile and its accumulator live in registers);
+    ranking by counting only for buckets up to ``COUNT_MAX``."""
     size, rank = kwargs["BLOCK_S"], named_args["RANK"]
     cap = max(16, min(128, triton.next_power_of_2(rank), 8192 // size))
     return [c for c in configs if c.kwargs["BLOCK_R"] <= cap
+            and size * c.kwargs["BLOCK_R"] <= 128 * 32 * c.num_warps  # values per thread
             and (not c.kwargs["COUNT"] or size <= COUNT_MAX)] or configs[:1]
 
 
@@ -101,7 +105,7 @@ def _bucket_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < SIZE
     units = bucket * SIZE + offs_s
-    acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_S, BLOCK_R], dtype=tl.float32)
     for r0 in range(0, RANK, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < RANK
@@ -112,7 +116,8 @@ def _bucket_kernel(
             z = tl.where(mask_r, apply_act(z, ACT), 0.0)
         w = tl.load(w2_ptr + units[:, None] * stride_w2 + offs_r[None, :],
                     mask=mask_s[:, None] & mask_r[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * z[None, :], 1)
+        acc2 += w.to(tl.float32) * z[None, :]
+    acc = tl.sum(acc2, 1)
     if HAS_B2:
         acc += tl.load(b2_ptr + units, mask=mask_s, other=0.0).to(tl.float32)
     # Order-preserving integer image of the fp32 score (negative floats have their magnitude

@@ -358,7 +358,7 @@ def test_bucket_kernel_configs_fit_the_bucket():
     import triton
 
     configs = [triton.Config({"BLOCK_R": r, "COUNT": c}, num_warps=w)
-               for r in (16, 32, 64, 128) for w in (1, 4) for c in (0, 1)]
+               for r in (16, 32, 64, 128) for w in (4, 8) for c in (0, 1)]
 
     def chunks(size, rank):
         return sorted({c.kwargs["BLOCK_R"] for c in bucket_select._fitting(
@@ -374,6 +374,10 @@ def test_bucket_kernel_configs_fit_the_bucket():
     assert chunks(64, 24) == [16, 32]  # a rank of 24 needs no chunk past 32
     # ranking by counting compares every pair: only for buckets up to COUNT_MAX units
     assert counting(bucket_select.COUNT_MAX) == {0, 1} and counting(512) == {0}
+    # at most 128 of a tile's values per thread: one warp holds no 128 x 64 tile
+    one_warp = [triton.Config({"BLOCK_R": r, "COUNT": 0}, num_warps=1) for r in (16, 32, 64)]
+    assert [c.kwargs["BLOCK_R"] for c in bucket_select._fitting(
+        one_warp, {"RANK": 128}, BLOCK_S=128)] == [16, 32]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
