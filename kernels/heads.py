@@ -5,7 +5,9 @@ A selection names heads; head ``h`` owns weight rows ``h * head_dim .. (h + 1) *
 of ``W_q`` ([H * head_dim, d]) and of the transposed output projection ``W_o_t``
 ([H * head_dim, d_out]), each row contiguous. Both kernels run a 2-d grid of tiles (selected
 rows x a slice of the other dimension) and add partial sums into fp32 with atomics (in
-deterministic mode, each program into its own slot, summed afterwards in order). A batch's
+deterministic mode, each program into its own slot, summed afterwards in order). With atomics
+and per-row ids, the output projection's kernel also adds the bias and casts its outputs
+(``triton_common.finish_last``); the query projection launches ``finish`` after it. A batch's
 union selection (one id row for every row) runs ``_head_proj_union_kernel`` and
 ``_head_out_union_kernel``: a weight tile loaded once for a block of ``UNION_ROWS`` rows and
 multiplied with them by ``tl.dot``, as in ``sparse_mlp.py``.

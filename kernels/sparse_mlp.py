@@ -14,7 +14,9 @@ BENCHMARKS.md):
    (autotuned) neuron tiles in a loop, so fewer atomics meet on each output. The products
    stay in a 2-d accumulator until the loop ends: one reduction over neurons per program
    instead of one per tile took the Llama-3-8B down projection at density 0.5 from 29 to 18 us
-   on an H200 (examples/down_kernel_study.py, BENCHMARKS.md).
+   on an H200 (examples/down_kernel_study.py, BENCHMARKS.md). With atomics and per-row ids the
+   last program adding into an output tile adds ``b2`` and casts it
+   (``triton_common.finish_last``): no separate finish launch.
 
 A batch's union selection (one id row that every row reads) runs the same two steps in
 ``_up_union_kernel`` and ``_down_union_kernel``: each program loads its weight tile once and
