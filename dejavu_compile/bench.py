@@ -501,7 +501,7 @@ def weight_bytes(model) -> int:
 
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
-         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl")
+         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_attn")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -517,6 +517,9 @@ _DEJAVU_MODES = {
     "dejavu_topk": (True, False, 0, {}),  # one top-k over all units (cuBLAS + torch.topk)
     # dejavu_sparse with the kernels launched programmatically (triton_common.PDL_ENV)
     "dejavu_pdl": (True, False, BUCKET_UNITS, {}),
+    # dejavu_sparse with the step's attention through dejavu::decode_attention, the split-K
+    # Triton kernel (kv.use_decode_attention), instead of SDPA
+    "dejavu_attn": (True, False, BUCKET_UNITS, {}),
 }
 
 
@@ -530,6 +533,23 @@ def _programmatic_launch(on: bool):
         if on:
             os.environ[PDL_ENV] = "1"
         yield
+
+
+@contextlib.contextmanager
+def decode_attention(model, on: bool):
+    """``model``'s attention through ``dejavu::decode_attention`` (``kv.use_decode_attention``)
+    while the block runs when ``on``, its own implementation restored afterwards."""
+    if not on:
+        yield
+        return
+    from dejavu_compile.kv import use_decode_attention
+
+    before = model.config._attn_implementation
+    use_decode_attention(model)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 @torch.no_grad()
@@ -564,7 +584,9 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
                                  lookahead=ahead, bucket_units=bucket_units)
         options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        with _programmatic_launch(mode == "dejavu_pdl"):  # the kernels are captured in here
+        # the step is compiled and its kernels captured in here
+        with _programmatic_launch(mode == "dejavu_pdl"), \
+                decode_attention(model, mode == "dejavu_attn"):
             res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
         yield res

@@ -132,3 +132,22 @@ def test_fold_mode_folds_the_bench_predictors(tiny, tmp_path):
         _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
     counters = graphs[-1][1].counters.values
     assert counters.get("folded[attention]") == 1 and counters.get("folded[mlp]") == 1
+
+
+def test_decode_attention_mode_sets_and_restores_the_attention():
+    """Mode ``dejavu_attn`` runs its step with the model's attention through
+    ``dejavu::decode_attention``, and gives the model its own attention back afterwards."""
+    import transformers as tf
+
+    from dejavu_compile.kv import DECODE_ATTENTION
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = "sdpa"
+    model = tf.LlamaForCausalLM(cfg).eval()
+    assert "dejavu_attn" in bench.MODES and "dejavu_attn" in bench.SPARSE_MODES
+    with bench.decode_attention(model, True):
+        assert model.config._attn_implementation == DECODE_ATTENTION
+    assert model.config._attn_implementation == "sdpa"
+    with bench.decode_attention(model, False):
+        assert model.config._attn_implementation == "sdpa"
