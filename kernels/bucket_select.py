@@ -187,7 +187,7 @@ def select_predictor_triton(x, w1, b1, w2, b2, act: str, k: int, group: int, buc
     )
     ids = _rank_buckets(z, None, -1, w2, b2, k, group, buckets,
                         None if out is None else out.view(n, k * group))
-    return ids.reshape(*x.shape[:-1], k * group) if out is None else out
+    return ids.reshape(*x.shape[:-1], k * group)
 
 
 def _rank_buckets(z, b1, act_code: int, w2, b2, k: int, group: int, buckets: int,

@@ -171,11 +171,12 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     rows = _rows(x)
     sel = tc.selection(idx, rows.shape[0], w.shape[0] // head_dim, union)
     j, d = sel.shape[1] * head_dim, rows.shape[1]
-    det = tc.deterministic()
+    det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
+    fixed = tc.UNION_TILE_FIXED if shared else tc.TILE_LOOP_FIXED
     # the rows of unselected heads stay zero
-    parts = tc.partials(det, tc.tile_slots(d), rows.shape[0], w.shape[0], device=x.device,
+    parts = tc.partials(det, tc.tile_slots(d, fixed), rows.shape[0], w.shape[0], device=x.device,
                         zero=True)
-    if tc.shared(sel, rows.shape[0]):
+    if shared:
         tc.launch(_head_proj_union_kernel,
                   lambda m: (triton.cdiv(rows.shape[0], tc.UNION_ROWS),
                              triton.cdiv(j, m["BLOCK_N"]), triton.cdiv(d, m["BLOCK_D"])),
@@ -183,7 +184,7 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
                   rows.shape[0], d, j, head_dim,
                   rows.stride(0), w.stride(0), parts.stride(1), parts.stride(0) if det else 0,
                   HAS_B=b is not None, ATOMIC=not det, IEEE=tc.ieee(rows, w),
-                  ROWS=tc.UNION_ROWS, fixed=tc.UNION_TILE_FIXED if det else None)
+                  ROWS=tc.UNION_ROWS, fixed=fixed if det else None)
     else:
         tc.launch(_head_proj_kernel,
                   lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"]),
@@ -192,7 +193,7 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
                   d, j, head_dim,
                   rows.stride(0), tc.idx_stride(sel), w.stride(0), parts.stride(1),
                   parts.stride(0) if det else 0,
-                  HAS_B=b is not None, ATOMIC=not det, fixed=tc.TILE_LOOP_FIXED if det else None)
+                  HAS_B=b is not None, ATOMIC=not det, fixed=fixed if det else None)
     return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 

@@ -88,13 +88,14 @@ def _up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < K
     neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
+    valid = neurons >= 0  # -1: union padding, no neuron
     # TILES slices of d in a loop, products kept in 2-d accumulators, reduced once
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for t in range(TILES):
         offs_d = (pid_d * TILES + t) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        tile = (neurons >= 0)[:, None] & mask_d[None, :]  # -1: union padding, no neuron
+        tile = valid[:, None] & mask_d[None, :]
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
@@ -255,7 +256,8 @@ def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, dev
         return (buf[: n_pre * n_rows * k].view(1, n_pre, n_rows, k),
                 buf[n_pre * n_rows * k:].view(1, n_rows, d_out), None, None)
     reduce = UNION_REDUCE_FIXED if union else REDUCE_FIXED
-    return (partials(True, tile_slots(d), n_pre, n_rows, k, device=device, zero=zero_pre),
+    tile = UNION_TILE_FIXED if union else TILE_LOOP_FIXED
+    return (partials(True, tile_slots(d, tile), n_pre, n_rows, k, device=device, zero=zero_pre),
             partials(True, reduce_slots(k, reduce), n_rows, d_out, device=device), None, None)
 
 

@@ -62,10 +62,10 @@ def partials(det: bool, splits: int, *shape: int, device, zero: bool = False) ->
                                                    dtype=torch.float32)
 
 
-def tile_slots(d: int) -> int:
-    """Programs along ``d`` of a tile kernel run with ``TILE_FIXED`` or ``TILE_LOOP_FIXED`` (its
-    slots of partials)."""
-    return triton.cdiv(d, TILE_FIXED["BLOCK_D"] * TILE_LOOP_FIXED["TILES"])
+def tile_slots(d: int, fixed: dict) -> int:
+    """Programs along ``d`` of a tile kernel run with ``fixed`` (its slots of partials): a
+    program covers ``TILES`` slices of ``BLOCK_D`` (one slice for the union kernels)."""
+    return triton.cdiv(d, fixed["BLOCK_D"] * fixed.get("TILES", 1))
 
 
 def reduce_slots(k: int, fixed: dict = REDUCE_FIXED) -> int:
