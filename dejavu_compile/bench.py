@@ -501,7 +501,7 @@ def weight_bytes(model) -> int:
 
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
-         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_attn")
+         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_attn", "dejavu_gemv")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -520,7 +520,12 @@ _DEJAVU_MODES = {
     # dejavu_sparse with the step's attention through dejavu::decode_attention, the split-K
     # Triton kernel (kv.use_decode_attention), instead of SDPA
     "dejavu_attn": (True, False, BUCKET_UNITS, {}),
+    # dejavu_attn with the blocks' remaining dense projections (Q, K, V and the output of a
+    # dense attention, layer 0's MLP) through dejavu::gemv instead of cuBLAS
+    "dejavu_gemv": (True, False, BUCKET_UNITS, {"dense_gemv": True}),
 }
+# the modes whose step's attention runs dejavu::decode_attention
+_DECODE_ATTENTION_MODES = ("dejavu_attn", "dejavu_gemv")
 
 
 @contextlib.contextmanager
@@ -586,7 +591,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         # the step is compiled and its kernels captured in here
         with _programmatic_launch(mode == "dejavu_pdl"), \
-                decode_attention(model, mode == "dejavu_attn"):
+                decode_attention(model, mode in _DECODE_ATTENTION_MODES):
             res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
         yield res

@@ -75,6 +75,11 @@ class DejavuOptions:
     fuse_linears: dense projections that read the same input (K and V, Q, K and V, gate and
         up) run as one linear on their stacked weights; the parameters become row slices of
         the stacked matrix (no copy kept).
+    dense_gemv: the dense projections of the model's blocks that a decode step computes for
+        one row (Q, K and V of a dense attention, an output projection, a dense layer's MLP;
+        fused or not) run through ``dejavu::gemv``, a Triton GEMV that reads whole weight rows
+        in one launch, instead of the inner compiler's GEMM (``kernels/dense.py``). The
+        language-model head and other linears are left alone; on CPU the op is ``F.linear``.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -94,6 +99,7 @@ class DejavuOptions:
     fuse_linears: bool = True
     batch_selection: str = DEFAULT_BATCH_SELECTION
     fold_predictors: bool = False
+    dense_gemv: bool = False
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:

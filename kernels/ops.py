@@ -237,3 +237,17 @@ def _(x, idx, g, w_up, w2_t, b2, act, union=False):
 SELECTORS = (select_mlp_oracle, select_heads_oracle, select_predictor, predict_ahead, select_gate,
              select_magnitude, select_hidden)
 SPARSE_OPS = (sparse_mlp, sparse_head_proj, sparse_head_out, sparse_mlp_gated)
+
+
+@torch.library.custom_op(f"{_LIB}::gemv", mutates_args=())
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A dense projection ``F.linear(x, w, b)`` of a decode step's few rows; on CUDA a GEMV
+    kernel that reads whole weight rows in one launch (``kernels/dense.py``)."""
+    return torch.nn.functional.linear(x, w, b)
+
+
+@gemv.register_fake
+def _(x, w, b):
+    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(f"gemv: weight {tuple(w.shape)} does not fit x {tuple(x.shape)}")
+    return x.new_empty(*x.shape[:-1], w.shape[0])

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .context import Linear, PassContext, add_constant, fake_mode_of, set_val
+from .context import Linear, PassContext, add_constant, fake_mode_of, fake_value, set_val
 
 # weight -> (its version counter when re-laid out, the [in, out] copy)
 _RELAYOUT = WeakIdKeyDictionary()
@@ -171,10 +171,12 @@ def _fusable(lins: list[Linear]) -> bool:
     )
 
 
-def fuse_linears(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+def fuse_linears(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> dict[fx.Node, list]:
     """Replace dense linears that read the same node by one linear on their stacked weights
-    (``stacked_view``; ``stack_in_place`` makes them stackable) and a split of its output."""
+    (``stacked_view``; ``stack_in_place`` makes them stackable) and a split of its output.
+    Returns each new linear with the weights it stacks."""
     graph = gm.graph
+    fused_from: dict[fx.Node, list] = {}
     siblings: dict[fx.Node, list[Linear]] = {}
     for node in graph.nodes:
         lin = ctx.linear(node, gm)
@@ -204,6 +206,7 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
                 else None
             fused = graph.call_function(lins[0].node.target, (x, w_node, b_node))
             set_val(fused, fake_mode)
+            fused_from[fused] = [lin.weight for lin in lins]
             parts = graph.call_function(torch.split, (fused, sizes, -1))
             set_val(parts, fake_mode)
             outs = []
@@ -216,6 +219,50 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             lin.node.replace_all_uses_with(out)
             graph.erase_node(lin.node)
         ctx.counters.add("fused_linears", len(lins))
+    return fused_from
+
+
+# dtypes the GEMV kernel reads (``kernels/dense.py``; the kernels' KERNEL_DTYPES)
+_GEMV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _one_row(node: fx.Node) -> bool:
+    """Whether ``node``'s value is one row of features (a batch-1 decode step's activation)."""
+    val = fake_value(node)
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return False
+    shape = [int(s) if isinstance(s, int) else None for s in val.shape]
+    return None not in shape and shape[-1] > 0 and val.numel() == shape[-1]
+
+
+def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, list]) -> None:
+    """Hand the dense projections of the discovered blocks (fused or not) that read one row to
+    ``dejavu::gemv`` (``DejavuOptions.dense_gemv``). Other linears, the language-model head
+    among them, stay with the inner compiler."""
+    disc = ctx.discovery
+    if disc is None:
+        return
+    blocks = [*disc.mlp.values(), *disc.attention.values()]
+    ours = {id(lin.weight) for block in blocks for lin in block.linears()}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        lin = ctx.linear(node, gm)
+        if lin is None:
+            continue
+        weights = fused_from.get(node, [lin.weight])
+        if not any(id(w) in ours for w in weights) or not _one_row(lin.input):
+            continue
+        x = fake_value(lin.input)
+        if x.dtype not in _GEMV_DTYPES or lin.weight.dtype != x.dtype or (
+                lin.bias is not None and lin.bias.dtype != x.dtype):
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.dejavu.gemv.default,
+                                      (lin.input, lin.weight_node, lin.bias_node))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        ctx.counters.add("dense_gemv")
 
 
 def _is_dejavu(node: fx.Node) -> bool:
@@ -248,8 +295,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.counters.add("relayout")
         if new:  # copies are shared between graphs: count each once
             ctx.counters.add("relayout_bytes", copy.numel() * copy.element_size())
-    if ctx.options.fuse_linears:
-        fuse_linears(gm, ctx, fake_mode)
+    fused_from = fuse_linears(gm, ctx, fake_mode) if ctx.options.fuse_linears else {}
+    if ctx.options.dense_gemv:
+        dense_gemv(gm, ctx, fused_from)
     graph.lint()
     gm.recompile()
     return gm

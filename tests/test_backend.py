@@ -164,6 +164,46 @@ def test_in_place_relayout_keeps_no_second_copy(tiny, arch):
     torch.testing.assert_close(got, masked, **FP32)
 
 
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_dense_gemv_takes_the_blocks_one_row_projections(tiny, arch):
+    """With ``dense_gemv``, each decode graph's dense block projections (Q, K and V, stacked
+    once the recompiled graph finds them so, and the output projection) become
+    ``dejavu::gemv``; the prefill's many rows and the language-model head stay linears; the
+    logits are those of the same compilation without it."""
+    def run(dense_gemv: bool):
+        torch._dynamo.reset()
+        model = tiny(arch)
+        captured = []
+
+        def backend(gm, example_inputs):
+            compiled = dejavu_compile.backend.dejavu_backend(
+                gm, example_inputs, options={"selector": "oracle", "mlp_density": 0.5,
+                                             "dense_gemv": dense_gemv})
+            targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            captured.append((dejavu_compile.backend._REPORTS[-1].counters, targets))
+            return compiled
+
+        with torch.no_grad():
+            logits = _decode_logits(torch.compile(model, backend=backend), prompt(), steps=3)
+        return model, logits, captured
+
+    model, got, captured = run(True)
+    _, want, plain = run(False)
+    torch.testing.assert_close(got, want, **FP32)
+    layers = model.config.num_hidden_layers
+    gemv = torch.ops.dejavu.gemv.default
+    counts = [c.get("dense_gemv", 0) for c, _ in captured]
+    # prefill: none; first decode graph: Q, K, V and O apart; the recompiled one: QKV and O
+    assert counts[0] == 0 and counts[1] == 4 * layers and counts[-1] == 2 * layers, counts
+    for (counters, targets), (_, plain_targets) in zip(captured, plain, strict=True):
+        assert targets.count(gemv) == counters.get("dense_gemv", 0)
+        linears = [t for t in targets if t in (torch._C._nn.linear, torch.ops.aten.linear.default)]
+        assert len(linears) + targets.count(gemv) == len(
+            [t for t in plain_targets if t in (torch._C._nn.linear, torch.ops.aten.linear.default)])
+    assert all(not c.get("dense_gemv") for c, _ in plain)
+    assert sum(t.count(gemv) == 0 for _, t in captured[1:]) == 0  # every decode graph has some
+
+
 def test_compile_leaves_room_for_the_relayout_recompiles(tiny):
     """Past Dynamo's recompile limit a frame runs uncompiled (dense): the API raises the limit,
     which the in-place re-layout's one recompile per graph and evaluation twins need."""

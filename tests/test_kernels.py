@@ -453,3 +453,33 @@ def test_bucket_kernel_ranking_by_counting(units, k, group, buckets, batch, monk
     want = ref.select_predictor(x, w1, b1, w2, b2, "relu", k, group, buckets)
     got = bucket_select.select_predictor_triton(x, w1, b1, w2, b2, "relu", k, group, buckets)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,d", [(37, 50), (3, 16), (70, 33)])  # ragged row blocks and slices
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_gemv_kernel(dtype, n, d, bias):
+    """The dense GEMV of a one-row projection equals F.linear, bias included, in x's dtype;
+    more rows go to F.linear itself; a weight that does not fit is refused."""
+    from dejavu_compile.kernels import dense
+
+    x, w = _rand(1, 1, d, dtype=dtype, seed=1), _rand(n, d, dtype=dtype, seed=2)
+    b = _rand(n, dtype=dtype, seed=3) if bias else None
+    out = dense.gemv(x, w, b)
+    assert out.shape == (1, 1, n) and out.dtype == dtype
+    want = _ref64(torch.nn.functional.linear, x, w, b)
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+    # every row of the weight's blocks, the last ragged one too, is computed
+    assert dense.MAX_ROWS == 1
+    many = _rand(3, d, dtype=dtype, seed=4)
+    torch.testing.assert_close(dense.gemv(many, w, b).double(),
+                               _ref64(torch.nn.functional.linear, many, w, b), **TOL[dtype])
+    with pytest.raises(ValueError, match="do not fit"):
+        dense.gemv(x, w[:, :-1], b)
+    # deterministic mode launches the one fixed config
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.testing.assert_close(dense.gemv(x, w, b).double(), want, **TOL[dtype])
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -1,0 +1,103 @@
+"""Dense GEMV for a decode step's remaining dense projections (``torch.ops.dejavu.gemv``).
+
+A decode step of one token multiplies each weight matrix with one row. cuBLAS picks split-K
+GEMMs for these shapes, with a second reduction launch: on an H200 the fused Q, K and V
+projection of Llama-3-8B ran at 76% of copy bandwidth and its output projection at 71% plus
+1.8 us for the reduction (BENCHMARKS.md, profile of ``dejavu_sparse``), where the sparse up
+kernel, which reads whole weight rows the same way, reached 95%. So the lower pass
+(``DejavuOptions.dense_gemv``) can hand the one-row dense projections of the model's blocks
+to this kernel: each program reads ``BLOCK_N`` whole rows of the weight in a pipelined loop over
+``d`` with a 2-d accumulator reduced once, adds the bias and stores its outputs in the input's
+dtype: one launch, no atomics, no zero-fill. In deterministic mode it runs one fixed config.
+
+More rows than ``MAX_ROWS`` (a prefill) go to ``torch.nn.functional.linear``: the kernel reads
+the weight once per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, deterministic
+
+# rows up to which the kernel runs (it reads the weight once per row); more go to cuBLAS
+MAX_ROWS = 1
+GEMV_FIXED = ({"BLOCK_N": 4, "BLOCK_D": 16, "num_warps": 1} if INTERPRET
+              else {"BLOCK_N": 8, "BLOCK_D": 512, "num_warps": 4})
+# at most this many fp32 accumulator values per thread (more spill registers)
+_VALUES_PER_THREAD = 128
+
+
+def gemv_configs() -> list[triton.Config]:
+    """Rows per program, the slice of ``d`` loaded per loop step, warps and pipeline depth;
+    one config under the interpreter and with quick tuning."""
+    if INTERPRET or QUICK_TUNE:
+        meta = {k: v for k, v in GEMV_FIXED.items() if k != "num_warps"}
+        return [triton.Config(meta, num_warps=GEMV_FIXED["num_warps"])]
+    configs = []
+    for n in (4, 8, 16, 32):
+        for d in (256, 512, 1024):
+            for w in (4, 8):
+                if n * d // (32 * w) > _VALUES_PER_THREAD:
+                    continue
+                for stages in ((3, 4) if w == 4 else (3,)):
+                    configs.append(triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w,
+                                                 num_stages=stages))
+    return configs
+
+
+@triton.autotune(configs=gemv_configs(), key=["N", "D"])
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    N, D,
+    stride_x, stride_w, stride_out,
+    HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        offs_d = start + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_B:
+        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Triton launcher of ``torch.ops.dejavu.gemv``: ``F.linear(x, w, b)``.
+
+    x: [..., d]; w: [N, d]; b: [N] or None; returns [..., N] in x's dtype. Rows beyond
+    ``MAX_ROWS``, a weight whose rows are not contiguous, or mixed dtypes run ``F.linear``.
+    """
+    check_dtype("gemv", x, w, b)
+    d, n = x.shape[-1], w.shape[0]
+    if w.shape[1] != d or (b is not None and b.shape != (n,)):
+        raise ValueError(f"gemv: weight {tuple(w.shape)} / bias "
+                         f"{None if b is None else tuple(b.shape)} do not fit x [..., {d}]")
+    rows = x.reshape(-1, d)
+    if (rows.shape[0] > MAX_ROWS or w.stride(1) != 1 or w.dtype != x.dtype
+            or (b is not None and b.dtype != x.dtype)):
+        return F.linear(x, w, b)
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, device=x.device, dtype=x.dtype)
+    args = (rows, w, b if b is not None else w, out, n, d, rows.stride(0), w.stride(0),
+            out.stride(0))
+    grid = lambda m: (rows.shape[0], triton.cdiv(n, m["BLOCK_N"]))  # noqa: E731
+    if deterministic():  # the same config, so the same sums, in every process
+        fixed = {k: v for k, v in GEMV_FIXED.items() if k != "num_warps"}
+        _gemv_kernel.fn[grid](*args, HAS_B=b is not None, num_warps=GEMV_FIXED["num_warps"],
+                              **fixed)
+    else:
+        _gemv_kernel[grid](*args, HAS_B=b is not None)
+    return out.reshape(*x.shape[:-1], n)
