@@ -469,22 +469,34 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
                         kernels, statistics.median(host), pipelined, span)
 
 
+# untimed steps of the pipelined loop on its cache before the timed ones: a cache at new
+# addresses makes Inductor's CUDA-graph trees record the step again (its tensors are static
+# inputs), and one recording inside the timed steps would add tens of us to their mean
+PIPELINE_WARMUP = 4
+
+
 def _pipelined_ms(model, forward, ids: torch.Tensor, new: int, length: int) -> float:
     """ms per token of ``new`` decode steps after a prefill of ``ids`` into a static cache of
     ``length`` positions (the timed steps' length: another would recompile), launched without
     waiting for each other: the next token and its position never leave the GPU, and the one
-    synchronisation is after the last step."""
+    synchronisation is after the last step. ``PIPELINE_WARMUP`` steps on the same cache come
+    first, untimed; the timed steps then start again from the prompt's end."""
     prompt = ids.shape[1]
     cache, mask = _prefilled(model, ids, length)
-    pos = torch.full((1,), prompt, device="cuda")
-    tok = ids[:, -1:]
+
+    def steps(count: int) -> None:
+        pos = torch.full((1,), prompt, device=ids.device)
+        tok = ids[:, -1:]
+        for _ in range(count):
+            out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
+                          position_ids=pos[None], attention_mask=mask, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            pos = pos + 1  # a fresh tensor, like the timed loop's (a view would recompile)
+
+    steps(PIPELINE_WARMUP)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(new):
-        out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
-                      position_ids=pos[None], attention_mask=mask, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        pos = pos + 1  # a fresh tensor, like the timed loop's (a view of one would recompile)
+    steps(new)
     torch.cuda.synchronize()
     return 1e3 * (time.perf_counter() - start) / new
 

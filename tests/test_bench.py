@@ -151,3 +151,29 @@ def test_decode_attention_mode_sets_and_restores_the_attention():
     assert model.config._attn_implementation == "sdpa"
     with bench.decode_attention(model, False):
         assert model.config._attn_implementation == "sdpa"
+
+
+def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
+    """The pipelined loop runs its warm-up steps on the cache it then times (a new cache would
+    make the CUDA-graph trees record again inside the timed steps), and times ``new`` steps
+    from the prompt's end, each at the next position."""
+    calls, cache, syncs = [], object(), []
+    monkeypatch.setattr(bench, "_prefilled", lambda model, ids, length: (cache, "mask"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(len(calls)))
+
+    class Out:
+        logits = torch.zeros(1, 1, 5)
+
+    def forward(input_ids, past_key_values, cache_position, position_ids, attention_mask,
+                use_cache):
+        calls.append((past_key_values, int(cache_position), int(position_ids)))
+        return Out()
+
+    ids = torch.zeros(1, 6, dtype=torch.int64)
+    ms = bench._pipelined_ms(None, forward, ids, 3, 16)
+    warm = bench.PIPELINE_WARMUP
+    assert ms >= 0 and len(calls) == warm + 3
+    assert all(c is cache for c, _, _ in calls)
+    assert [p for _, p, _ in calls] == list(range(6, 6 + warm)) + [6, 7, 8]
+    assert all(p == q for _, p, q in calls)
+    assert syncs == [warm, warm + 3]  # the clock starts after the warm-up has finished
