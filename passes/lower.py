@@ -242,15 +242,18 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
     disc = ctx.discovery
     if disc is None:
         return
-    blocks = [*disc.mlp.values(), *disc.attention.values()]
-    ours = {id(lin.weight) for block in blocks for lin in block.linears()}
+    # weight -> the block it belongs to, for the node's tag (read by export)
+    ours = {id(lin.weight): (block.layer, kind)
+            for kind, blocks in (("mlp", disc.mlp), ("attention", disc.attention))
+            for block in blocks.values() for lin in block.linears()}
     graph = gm.graph
     for node in list(graph.nodes):
         lin = ctx.linear(node, gm)
         if lin is None:
             continue
         weights = fused_from.get(node, [lin.weight])
-        if not any(id(w) in ours for w in weights) or not _one_row(lin.input):
+        owners = [ours[id(w)] for w in weights if id(w) in ours]
+        if not owners or not _one_row(lin.input):
             continue
         x = fake_value(lin.input)
         if x.dtype not in _GEMV_DTYPES or lin.weight.dtype != x.dtype or (
@@ -260,6 +263,9 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
             new = graph.call_function(torch.ops.dejavu.gemv.default,
                                       (lin.input, lin.weight_node, lin.bias_node))
         new.meta.update(node.meta)
+        units = lin.weight.shape[0]
+        new.meta["dejavu"] = {"layer": owners[0][0], "block": owners[0][1], "selector": "dense",
+                              "density": 1.0, "k": units, "units": units}
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         ctx.counters.add("dense_gemv")

@@ -64,6 +64,21 @@ def test_export_files_are_valid(tiny, arch, tmp_path):
     assert "torch.ops.dejavu.sparse_mlp" in source
 
 
+def test_export_names_the_dense_gemv_nodes(tiny, tmp_path):
+    """With ``dense_gemv`` the exported graph's ``Gemv`` nodes carry their block's layer and
+    kind, density 1, like the sparse ops."""
+    model = tiny("llama")
+    paths = dejavu_compile.export(model, tmp_path / "out", selector="oracle", mlp_density=0.5,
+                                  dense_gemv=True)
+    proto = onnx.load(str(paths["graph.onnx"]))
+    gemv = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            for n in proto.graph.node if n.domain == ONNX_DOMAIN and n.op_type == "Gemv"]
+    layers = model.config.num_hidden_layers
+    assert gemv and {(a["layer"], a["block"]) for a in gemv} == {
+        (i, b"attention") for i in range(layers)}
+    assert all(a["selector"] == b"dense" and a["density"] == 1.0 for a in gemv)
+
+
 def test_svg_shows_lookahead_edges(tiny, tmp_path):
     from .test_profiles_and_generate import _random_predictor_profile as profile_of
 
