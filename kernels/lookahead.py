@@ -19,6 +19,14 @@ from . import predictor
 # False runs the predictor on the current stream (same graph, same ops): the GPU test compares
 # the two to show that the side stream adds no race.
 SIDE_STREAM = True
+# The side stream's priority: the highest PyTorch's stream pools offer (a lower number is a
+# higher priority; PyTorch clamps this one to its highest pool). PyTorch
+# instantiates CUDA graphs with cudaGraphInstantiateFlagUseNodePriority, so the kernels captured
+# on this stream keep the priority when replayed: the GPU starts the predictor's few blocks as
+# soon as an SM has room, ahead of the pending blocks of the large projection kernels on the
+# current stream, instead of after them. At the default priority, OPT-13B with lookahead ran no
+# faster than with inline predictors on an H200 (BENCHMARKS.md, eighth session).
+SIDE_PRIORITY = -100
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 _EVENTS: dict[tuple[int, int], tuple[torch.cuda.Event, torch.cuda.Event]] = {}
 
@@ -26,7 +34,7 @@ _EVENTS: dict[tuple[int, int], tuple[torch.cuda.Event, torch.cuda.Event]] = {}
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(device=index)
+        _STREAMS[index] = torch.cuda.Stream(device=index, priority=SIDE_PRIORITY)
     return _STREAMS[index]
 
 

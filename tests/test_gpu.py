@@ -88,6 +88,9 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
     assert torch.equal(results["side stream"], results["one stream"]), (
         "side stream differs from one stream: "
         + _differ(results["side stream"], results["one stream"]))
+    # the side stream runs at a higher priority than the default one (0)
+    side = lookahead._side_stream(torch.device("cuda"))
+    assert side.priority < 0, side.priority
     # every decode graph moved layers 1-5's MLP predictors ahead
     count = dejavu_compile.report(model).counters["lookahead[mlp]"]
     assert count >= 2 * 5 and count % 5 == 0, count
