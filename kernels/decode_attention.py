@@ -161,7 +161,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     if mask is not None:
-        mask = mask.to(torch.uint8).contiguous()
+        # the bool mask read as bytes in place (no copy launch; a Llama-3-8B step spent 69 us in
+        # 32 such copies on an H200) when its keys are contiguous, as a decode step's mask is
+        mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.to(torch.uint8).contiguous()
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
         length, triton.next_power_of_2(length), g, d, kvh, chunk, scale,

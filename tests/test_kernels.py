@@ -291,6 +291,15 @@ def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim
     mask = mask.to(DEVICE)
     torch.testing.assert_close(decode_attention.decode_attention(q, k, v, scale, mask).double(),
                                _ref64(ref.decode_attention, q, k, v, scale, mask), **TOL[dtype])
+    # one key mask shared by the batch (an expanded view, as a decode step's), and a mask whose
+    # keys are strided (copied first)
+    shared = mask[:1].expand(batch, length)
+    torch.testing.assert_close(decode_attention.decode_attention(q, k, v, scale, shared).double(),
+                               _ref64(ref.decode_attention, q, k, v, scale, shared), **TOL[dtype])
+    strided = torch.stack([mask, ~mask], -1)[..., 0]
+    assert strided.stride(-1) == 2
+    torch.testing.assert_close(decode_attention.decode_attention(q, k, v, scale, strided).double(),
+                               _ref64(ref.decode_attention, q, k, v, scale, strided), **TOL[dtype])
 
 
 def test_decode_attention_splits_fill_the_gpu():
