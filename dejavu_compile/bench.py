@@ -513,7 +513,8 @@ def weight_bytes(model) -> int:
 
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
-         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_attn", "dejavu_gemv")
+         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_attn", "dejavu_gemv",
+         "dejavu_store")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -535,20 +536,25 @@ _DEJAVU_MODES = {
     # dejavu_attn with the blocks' remaining dense projections (Q, K, V and the output of a
     # dense attention, layer 0's MLP) through dejavu::gemv instead of cuBLAS
     "dejavu_gemv": (True, False, BUCKET_UNITS, {"dense_gemv": True}),
+    # dejavu_sparse with the sparse MLP's fill-free up kernel (triton_common.STORE_UP_ENV)
+    "dejavu_store": (True, False, BUCKET_UNITS, {}),
 }
 # the modes whose step's attention runs dejavu::decode_attention
 _DECODE_ATTENTION_MODES = ("dejavu_attn", "dejavu_gemv")
 
 
 @contextlib.contextmanager
-def _programmatic_launch(on: bool):
-    """``DEJAVU_PDL`` set to 1 (``on``) or unset while the block runs, then restored."""
-    from dejavu_compile.kernels.triton_common import PDL_ENV
+def kernel_switches(mode: str):
+    """The kernels' environment switches as ``mode`` needs them while the block runs:
+    ``DEJAVU_PDL`` (programmatic launch) set to 1 for ``dejavu_pdl``, ``DEJAVU_STORE_UP`` (the
+    fill-free up kernel) for ``dejavu_store``, each unset otherwise; restored afterwards."""
+    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_UP_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
-        os.environ.pop(PDL_ENV, None)
-        if on:
-            os.environ[PDL_ENV] = "1"
+        for name, on in ((PDL_ENV, mode == "dejavu_pdl"), (STORE_UP_ENV, mode == "dejavu_store")):
+            os.environ.pop(name, None)
+            if on:
+                os.environ[name] = "1"
         yield
 
 
@@ -602,7 +608,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
         options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         # the step is compiled and its kernels captured in here
-        with _programmatic_launch(mode == "dejavu_pdl"), \
+        with kernel_switches(mode), \
                 decode_attention(model, mode in _DECODE_ATTENTION_MODES):
             res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse

@@ -18,6 +18,12 @@ BENCHMARKS.md):
    last program adding into an output tile adds ``b2`` and casts it
    (``triton_common.finish_last``): no separate finish launch.
 
+With ``DEJAVU_STORE_UP=1`` (``triton_common.stores_up``; bench mode ``dejavu_store``) a
+per-row selection runs ``_up_store_kernel`` instead of step 1: each program covers all of d
+for its rows in a pipelined loop (the dense GEMV's design, ``kernels/dense.py``) and stores its
+pre-activations, and the programs zero the down kernel's sums and counters, so the op launches
+no zero-fill: two launches instead of three. Off by default until a GPU run measures it.
+
 A batch's union selection (one id row that every row reads) runs the same two steps in
 ``_up_union_kernel`` and ``_down_union_kernel``: each program loads its weight tile once and
 multiplies it with a block of ``UNION_ROWS`` rows on the tensor cores, where the per-row kernels
@@ -37,6 +43,8 @@ import triton.language as tl
 
 from .triton_common import (
     ACT_CODES,
+    INTERPRET,
+    QUICK_TUNE,
     REDUCE_FIXED,
     TILE_LOOP_FIXED,
     UNION_REDUCE_FIXED,
@@ -60,12 +68,14 @@ from .triton_common import (
     reduce_slots,
     selection,
     shared,
+    stores_up,
     tile_configs,
     tile_slots,
     total,
     union_reduce_configs,
     union_tile_configs,
     wait_inputs,
+    zero_share,
 )
 
 
@@ -108,6 +118,55 @@ def _up_kernel(
     add_partial(pre_ptr + out, tl.sum(acc, 1), mask_n, ATOMIC)
     if GATED:
         add_partial(up_out_ptr + out, tl.sum(acc_up, 1), mask_n, ATOMIC)
+
+
+def store_configs() -> list[triton.Config]:
+    """Configs of ``_up_store_kernel``: selected rows per program, the slice of d per loop
+    step, warps (the dense GEMV's sweep, ``kernels/dense.py``)."""
+    if INTERPRET or QUICK_TUNE:
+        return [triton.Config({"BLOCK_N": 4, "BLOCK_D": 16 if INTERPRET else 512},
+                              num_warps=1 if INTERPRET else 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w, num_stages=st)
+            for n in (4, 8, 16) for d in (256, 512, 1024) for w in (4, 8)
+            for st in ((3, 4) if w == 4 else (3,)) if n * d // (32 * w) <= 128]
+
+
+@triton.autotune(configs=store_configs(), key=["D", "K"])
+@triton.jit
+def _up_store_kernel(
+    x_ptr, idx_ptr, w1_ptr, wup_ptr, pre_ptr, up_out_ptr, zero_ptr,
+    D, K, ZERO,
+    stride_x, stride_idx, stride_w1, stride_wup, stride_pre,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    """``_up_kernel`` with each program covering all of d for its selected rows, in a
+    pipelined loop, so it stores its pre-activations instead of adding them with atomics; the
+    programs also zero the ``ZERO`` fp32 values at ``zero_ptr`` (the down kernel's sums and
+    counters): the op needs no zero-fill launch."""
+    wait_inputs(PDL)  # the ids are the previous kernel's (no fill runs in between)
+    row, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < K
+    neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
+    valid = neurons >= 0
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        tile = valid[:, None] & mask_d[None, :]
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile,
+                        other=0.0)
+            acc_up += u.to(tl.float32) * x[None, :]
+    out = row * stride_pre + offs_n
+    tl.store(pre_ptr + out, tl.sum(acc, 1), mask=mask_n)
+    if GATED:
+        tl.store(up_out_ptr + out, tl.sum(acc_up, 1), mask=mask_n)
+    zero_share(zero_ptr, ZERO, 256)
 
 
 # the weight's column stride is in the key: a transposed view (the one call before the in-place
@@ -327,8 +386,21 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) ->
     sel = selection(idx, rows.shape[0], w1.shape[0], union)
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
-    pre, out, cnt, fin = _targets(det, 2 if gated else 1, rows.shape[0], k, d, d_out, x.device,
-                                  x.dtype, union=shared(sel, rows.shape[0]))
+    n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
+    if stores_up() and fuses_finish(det, union_ids):
+        # no fill: the up kernel stores the pre-activations and zeroes the sums and counters
+        n_pre = 2 if gated else 1
+        pre, out, cnt, fin = fused_targets(n_rows, d_out, n_pre * n_rows * k, x.dtype, x.device,
+                                           zeroed=False)
+        pre, zero = pre.view(n_pre, n_rows, k), out.numel() + cnt.numel()
+        launch(_up_store_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"])),
+               rows, sel, w1, w_up if gated else w1, pre[0], pre[-1], out, d, k, zero,
+               rows.stride(0), idx_stride(sel), w1.stride(0),
+               (w_up if gated else w1).stride(0), pre.stride(1), GATED=gated)
+        _launch_down(pre, sel, b1, w2_t, out[None], act, gated, det, fin, b2, cnt)
+        return fin.reshape(*x.shape[:-1], d_out)
+    pre, out, cnt, fin = _targets(det, 2 if gated else 1, n_rows, k, d, d_out, x.device,
+                                  x.dtype, union=union_ids)
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt)
     if fin is None:

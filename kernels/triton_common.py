@@ -142,6 +142,18 @@ def wait_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+# The sparse MLP's up kernel may store whole rows (each program all of d, no atomics) and clear
+# the down kernel's sums and counters itself, so the op launches no zero-fill (two launches
+# instead of three). Off unless ``DEJAVU_STORE_UP=1`` until an H200 run says it is faster:
+# ``dejavu bench`` mode ``dejavu_store`` measures it.
+STORE_UP_ENV = "DEJAVU_STORE_UP"
+
+
+def stores_up() -> bool:
+    """Whether the sparse MLP runs its fill-free up kernel (``STORE_UP_ENV``)."""
+    return os.environ.get(STORE_UP_ENV) == "1"
+
+
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
     """Launch the autotuned ``kernel`` over ``grid`` (a function of the meta-parameters), or,
     with ``fixed``, the kernel under it with that config (no autotuning); ``PDL`` as
@@ -294,16 +306,34 @@ def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
 COUNT_BLOCK = 16  # the smallest BLOCK_D of a reducing kernel: sizes its counters
 
 
-def fused_targets(n_rows: int, d_out: int, before: int, dtype, device):
+def fused_targets(n_rows: int, d_out: int, before: int, dtype, device, zeroed: bool = True):
     """Targets of a reducing kernel that finishes its outputs itself (``finish_last``): one
     zeroed fp32 buffer (one launch) holding ``before`` values the op's earlier kernel adds
     into, the [R, d_out] sums, and the [R, d_out / COUNT_BLOCK] counters (int32, zero bits);
-    and the op's output [R, d_out] in ``dtype``. Returns (earlier, sums, counters, output)."""
+    and the op's output [R, d_out] in ``dtype``. Returns (earlier, sums, counters, output).
+    With ``zeroed`` false the buffer is left as allocated (no launch): the earlier kernel
+    stores its values and zeroes the sums and counters itself (``zero_share``)."""
     counters = n_rows * triton.cdiv(d_out, COUNT_BLOCK)
-    buf = torch.zeros(before + n_rows * d_out + counters, device=device, dtype=torch.float32)
+    buf = (torch.zeros if zeroed else torch.empty)(before + n_rows * d_out + counters,
+                                                   device=device, dtype=torch.float32)
     sums = buf[before: before + n_rows * d_out].view(n_rows, d_out)
     return (buf[:before], sums, buf[before + n_rows * d_out:].view(torch.int32),
             torch.empty(n_rows, d_out, device=device, dtype=dtype))
+
+
+@triton.jit
+def zero_share(ptr, count, BLOCK: tl.constexpr):
+    """Zero this program's share of ``count`` fp32 values at ``ptr``, the programs of the
+    launch taking consecutive equal shares: a kernel clearing the buffers the op's next kernel
+    adds into, in place of a fill launch before it."""
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) \
+        + tl.program_id(2)
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    share = tl.cdiv(count, programs)
+    end = tl.minimum(pid * share + share, count)
+    for start in range(pid * share, end, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < end)
 
 
 def fuses_finish(det: bool, shared_ids: bool) -> bool:

@@ -3,6 +3,7 @@ the profiler breakdown and the markdown it writes into BENCHMARKS.md."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +178,20 @@ def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
     assert [p for _, p, _ in calls] == list(range(6, 6 + warm)) + [6, 7, 8]
     assert all(p == q for _, p, q in calls)
     assert syncs == [warm, warm + 3]  # the clock starts after the warm-up has finished
+
+
+def test_kernel_switches_follow_the_mode(monkeypatch):
+    """``dejavu_pdl`` and ``dejavu_store`` turn on their kernel switch for their block only;
+    every other mode runs with both off, whatever the environment said; it is restored."""
+    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_UP_ENV, stores_up
+
+    monkeypatch.setenv(PDL_ENV, "1")
+    monkeypatch.delenv(STORE_UP_ENV, raising=False)
+    assert {"dejavu_pdl", "dejavu_store"} <= set(bench.SPARSE_MODES)
+    with bench.kernel_switches("dejavu_store"):
+        assert stores_up() and PDL_ENV not in os.environ
+    with bench.kernel_switches("dejavu_pdl"):
+        assert os.environ[PDL_ENV] == "1" and not stores_up()
+    with bench.kernel_switches("dejavu_sparse"):
+        assert PDL_ENV not in os.environ and not stores_up()
+    assert os.environ[PDL_ENV] == "1" and STORE_UP_ENV not in os.environ

@@ -63,6 +63,50 @@ def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_mlp_fill_free_up_kernel(dtype, gated, density, batch, monkeypatch):
+    """With ``DEJAVU_STORE_UP=1`` the up kernel stores whole rows and zeroes the down kernel's
+    sums and counters itself (no fill launch): the op still equals the reference when its
+    buffer starts out as garbage (NaN here), in one launch fewer."""
+    from dejavu_compile.kernels import triton_common
+
+    monkeypatch.setenv(triton_common.STORE_UP_ENV, "1")
+    real, launched = sparse_mlp.fused_targets, []
+
+    def garbage(*args, zeroed=True, **kw):
+        earlier, sums, counters, output = real(*args, zeroed=zeroed, **kw)
+        launched.append(zeroed)
+        if not zeroed:  # what an unzeroed allocation may hold
+            earlier.fill_(float("nan"))
+            sums.fill_(float("nan"))
+            counters.fill_(-7)
+        return earlier, sums, counters, output
+
+    monkeypatch.setattr(sparse_mlp, "fused_targets", garbage)
+    d, n, d_out = 37, 45, 29
+    k = max(1, round(density * n))
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
+    b1 = None if gated else _rand(n, dtype=dtype, seed=3)
+    w_up = _rand(n, d, dtype=dtype, seed=4) if gated else None
+    b2 = _rand(d_out, dtype=dtype, seed=5)
+    idx = _selection(batch, n, k).view(batch, 1, k)
+    act = "silu" if gated else "relu"
+    want = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
+    got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
+    assert launched == [False]
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    # a batch's union selection keeps the zeroed path
+    if batch > 1:
+        launched.clear()
+        sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union=True)
+        assert launched == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
 @pytest.mark.parametrize("batch", [1, 3])
