@@ -15,17 +15,36 @@ import torch.nn.functional as F
 import triton
 from dejavu_compile.kernels import dense
 
-from dejavu_compile.bench import copy_bandwidth
+from dejavu_compile.bench import copy_bandwidth, shape_configs
 
-SHAPES = {"llama qkv": (6144, 4096), "llama o": (4096, 4096), "llama gate+up": (28672, 4096),
-          "llama down": (4096, 14336), "opt qkv": (15360, 5120), "opt o": (5120, 5120),
-          "opt fc1": (20480, 5120), "lm head": (128256, 4096)}
+
+def shapes() -> dict[str, tuple[int, int]]:
+    """[N, d] of each dense one-row projection of the end-to-end models (``bench.shape_configs``):
+    the fused Q, K and V, the output projection, the first MLP projection(s) (gate and up
+    stacked for a gated MLP), the down projection; and Llama-3-8B's language-model head."""
+    configs = shape_configs()
+    out = {}
+    for name, short in (("llama-3-8b", "llama"), ("opt-13b", "opt")):
+        cfg = configs[name]
+        d, heads = cfg.hidden_size, cfg.num_attention_heads
+        head_dim = d // heads
+        kv = getattr(cfg, "num_key_value_heads", heads) or heads
+        ffn = getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
+        gated = hasattr(cfg, "intermediate_size")
+        out[f"{short} qkv"] = ((heads + 2 * kv) * head_dim, d)
+        out[f"{short} o"] = (d, heads * head_dim)
+        out[f"{short} {'gate+up' if gated else 'fc1'}"] = ((2 if gated else 1) * ffn, d)
+        if gated:
+            out[f"{short} down"] = (d, ffn)
+    llama = configs["llama-3-8b"]
+    out["lm head"] = (llama.vocab_size, llama.hidden_size)
+    return out
 
 
 def main() -> None:
     bw = copy_bandwidth() / 1e9
     print(f"copy bandwidth {bw:.0f} GB/s")
-    for name, (n, d) in SHAPES.items():
+    for name, (n, d) in shapes().items():
         x = torch.randn(1, 1, d, device="cuda", dtype=torch.float16)
         w = torch.randn(n, d, device="cuda", dtype=torch.float16) / d ** 0.5
         b = torch.randn(n, device="cuda", dtype=torch.float16) if name.startswith("opt") else None
