@@ -27,6 +27,11 @@ under the graph being compiled, so the stacking waits for the same moment as the
 re-layout and takes effect in the recompiled graph; a graph with no re-layout pending (nothing
 recompiles it) fuses only parameters already stacked.
 
+With option ``dense_gemv``, the dense projections of the discovered blocks that a decode step
+computes for one row (stacked or not) become ``dejavu::gemv``, a one-launch Triton GEMV on CUDA
+(``kernels/dense.py``) and ``F.linear`` on CPU; the language-model head and every other linear
+stay with the inner compiler.
+
 Which implementation runs is chosen by the op's dispatcher from the tensors' device: the
 reference on CPU, the registered Triton kernels on CUDA.
 """
