@@ -536,7 +536,8 @@ _DEJAVU_MODES = {
     # dejavu_attn with the blocks' remaining dense projections (Q, K, V and the output of a
     # dense attention, layer 0's MLP) through dejavu::gemv instead of cuBLAS
     "dejavu_gemv": (True, False, BUCKET_UNITS, {"dense_gemv": True}),
-    # dejavu_sparse with the sparse MLP's fill-free up kernel (triton_common.STORE_UP_ENV)
+    # dejavu_sparse with the row-storing up and query-projection kernels
+    # (triton_common.STORE_ROWS_ENV)
     "dejavu_store": (True, False, BUCKET_UNITS, {}),
 }
 # the modes whose step's attention runs dejavu::decode_attention
@@ -546,12 +547,12 @@ _DECODE_ATTENTION_MODES = ("dejavu_attn", "dejavu_gemv")
 @contextlib.contextmanager
 def kernel_switches(mode: str):
     """The kernels' environment switches as ``mode`` needs them while the block runs:
-    ``DEJAVU_PDL`` (programmatic launch) set to 1 for ``dejavu_pdl``, ``DEJAVU_STORE_UP`` (the
-    fill-free up kernel) for ``dejavu_store``, each unset otherwise; restored afterwards."""
-    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_UP_ENV
+    ``DEJAVU_PDL`` (programmatic launch) set to 1 for ``dejavu_pdl``, ``DEJAVU_STORE_ROWS`` (the
+    row-storing kernels) for ``dejavu_store``, each unset otherwise; restored afterwards."""
+    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
-        for name, on in ((PDL_ENV, mode == "dejavu_pdl"), (STORE_UP_ENV, mode == "dejavu_store")):
+        for name, on in ((PDL_ENV, mode == "dejavu_pdl"), (STORE_ROWS_ENV, mode == "dejavu_store")):
             os.environ.pop(name, None)
             if on:
                 os.environ[name] = "1"

@@ -7,7 +7,9 @@ of ``W_q`` ([H * head_dim, d]) and of the transposed output projection ``W_o_t``
 rows x a slice of the other dimension) and add partial sums into fp32 with atomics (in
 deterministic mode, each program into its own slot, summed afterwards in order). With atomics
 and per-row ids, the output projection's kernel also adds the bias and casts its outputs
-(``triton_common.finish_last``); the query projection launches ``finish`` after it. A batch's
+(``triton_common.finish_last``); the query projection launches ``finish`` after it, unless
+``DEJAVU_STORE_ROWS=1`` (``triton_common.stores_rows``) runs ``_head_proj_store_kernel``, whose
+programs cover all of d and store biased rows in the output's dtype. A batch's
 union selection (one id row for every row) runs ``_head_proj_union_kernel`` and
 ``_head_out_union_kernel``: a weight tile loaded once for a block of ``UNION_ROWS`` rows and
 multiplied with them by ``tl.dot``, as in ``sparse_mlp.py``.
@@ -67,6 +69,35 @@ def _head_proj_kernel(
         acc += bias
     wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
     add_partial(out_ptr + pid_d * stride_part + row * stride_out + wrows, acc, mask, ATOMIC)
+
+
+@triton.autotune(configs=tc.store_configs(), key=["D", "J"])
+@triton.jit
+def _head_proj_store_kernel(
+    x_ptr, idx_ptr, w_ptr, b_ptr, out_ptr,
+    D, J, HEAD_DIM,
+    stride_x, stride_idx, stride_w, stride_out,
+    HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    """``_head_proj_kernel`` with each program covering all of d for its selected rows (a
+    pipelined loop): it adds the bias and stores the rows in the output's dtype, so no finish
+    launch follows (``triton_common.stores_rows``)."""
+    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
+    row, pid = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, offs < J)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
+                    mask=mask[:, None] & mask_d[None, :], other=0.0)
+        acc2 += w.to(tl.float32) * x[None, :]
+    acc = tl.sum(acc2, axis=1)
+    if HAS_B:
+        acc += tl.load(b_ptr + wrows, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + wrows, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # column stride in the key: see sparse_mlp._down_kernel
@@ -172,6 +203,15 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     sel = tc.selection(idx, rows.shape[0], w.shape[0] // head_dim, union)
     j, d = sel.shape[1] * head_dim, rows.shape[1]
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
+    if tc.stores_rows() and tc.fuses_finish(det, shared):
+        # the rows of unselected heads stay zero; the kernel stores the others, biased and cast
+        out = torch.zeros(rows.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+        tc.launch(_head_proj_store_kernel,
+                  lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"])),
+                  rows, sel, w, b if b is not None else w, out, d, j, head_dim,
+                  rows.stride(0), tc.idx_stride(sel), w.stride(0), out.stride(0),
+                  HAS_B=b is not None)
+        return out.reshape(*x.shape[:-1], w.shape[0])
     fixed = tc.UNION_TILE_FIXED if shared else tc.TILE_LOOP_FIXED
     # the rows of unselected heads stay zero
     parts = tc.partials(det, tc.tile_slots(d, fixed), rows.shape[0], w.shape[0], device=x.device,

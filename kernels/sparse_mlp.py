@@ -18,7 +18,7 @@ BENCHMARKS.md):
    last program adding into an output tile adds ``b2`` and casts it
    (``triton_common.finish_last``): no separate finish launch.
 
-With ``DEJAVU_STORE_UP=1`` (``triton_common.stores_up``; bench mode ``dejavu_store``) a
+With ``DEJAVU_STORE_ROWS=1`` (``triton_common.stores_rows``; bench mode ``dejavu_store``) a
 per-row selection runs ``_up_store_kernel`` instead of step 1: each program covers all of d
 for its rows in a pipelined loop (the dense GEMV's design, ``kernels/dense.py``) and stores its
 pre-activations, and the programs zero the down kernel's sums and counters, so the op launches
@@ -43,8 +43,6 @@ import triton.language as tl
 
 from .triton_common import (
     ACT_CODES,
-    INTERPRET,
-    QUICK_TUNE,
     REDUCE_FIXED,
     TILE_LOOP_FIXED,
     UNION_REDUCE_FIXED,
@@ -68,7 +66,8 @@ from .triton_common import (
     reduce_slots,
     selection,
     shared,
-    stores_up,
+    store_configs,
+    stores_rows,
     tile_configs,
     tile_slots,
     total,
@@ -118,17 +117,6 @@ def _up_kernel(
     add_partial(pre_ptr + out, tl.sum(acc, 1), mask_n, ATOMIC)
     if GATED:
         add_partial(up_out_ptr + out, tl.sum(acc_up, 1), mask_n, ATOMIC)
-
-
-def store_configs() -> list[triton.Config]:
-    """Configs of ``_up_store_kernel``: selected rows per program, the slice of d per loop
-    step, warps (the dense GEMV's sweep, ``kernels/dense.py``)."""
-    if INTERPRET or QUICK_TUNE:
-        return [triton.Config({"BLOCK_N": 4, "BLOCK_D": 16 if INTERPRET else 512},
-                              num_warps=1 if INTERPRET else 4)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w, num_stages=st)
-            for n in (4, 8, 16) for d in (256, 512, 1024) for w in (4, 8)
-            for st in ((3, 4) if w == 4 else (3,)) if n * d // (32 * w) <= 128]
 
 
 @triton.autotune(configs=store_configs(), key=["D", "K"])
@@ -387,7 +375,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) ->
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
     n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
-    if stores_up() and fuses_finish(det, union_ids):
+    if stores_rows() and fuses_finish(det, union_ids):
         # no fill: the up kernel stores the pre-activations and zeroes the sums and counters
         n_pre = 2 if gated else 1
         pre, out, cnt, fin = fused_targets(n_rows, d_out, n_pre * n_rows * k, x.dtype, x.device,

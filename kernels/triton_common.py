@@ -142,16 +142,18 @@ def wait_inputs(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# The sparse MLP's up kernel may store whole rows (each program all of d, no atomics) and clear
-# the down kernel's sums and counters itself, so the op launches no zero-fill (two launches
-# instead of three). Off unless ``DEJAVU_STORE_UP=1`` until an H200 run says it is faster:
-# ``dejavu bench`` mode ``dejavu_store`` measures it.
-STORE_UP_ENV = "DEJAVU_STORE_UP"
+# The sparse MLP's up kernel and the query projection's kernel may store whole rows (each
+# program all of d, no atomics): the up kernel then also clears the down kernel's sums and
+# counters, so the MLP launches no zero-fill, and the query projection adds its bias and casts
+# as it stores, so it launches no finish (two launches instead of three each). Off unless
+# ``DEJAVU_STORE_ROWS=1`` until an H200 run says it is faster: ``dejavu bench`` mode
+# ``dejavu_store`` measures it.
+STORE_ROWS_ENV = "DEJAVU_STORE_ROWS"
 
 
-def stores_up() -> bool:
-    """Whether the sparse MLP runs its fill-free up kernel (``STORE_UP_ENV``)."""
-    return os.environ.get(STORE_UP_ENV) == "1"
+def stores_rows() -> bool:
+    """Whether the up and query projections run their row-storing kernels (``STORE_ROWS_ENV``)."""
+    return os.environ.get(STORE_ROWS_ENV) == "1"
 
 
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
@@ -265,6 +267,19 @@ def dot_split(h, b, acc, IEEE: tl.constexpr):
     high = h.to(b.dtype)
     low = (h - high.to(tl.float32)).to(b.dtype)
     return tl.dot(low, b, tl.dot(high, b, acc))
+
+
+def store_configs() -> list[triton.Config]:
+    """Configs of the kernels whose programs cover all of d for their selected rows and store
+    them (``stores_rows``): rows per program, the slice of d per loop step, warps and pipeline
+    depth (the dense GEMV's sweep, ``kernels/dense.py``), at most 128 accumulator values a
+    thread."""
+    if INTERPRET or QUICK_TUNE:
+        return [triton.Config({"BLOCK_N": 4, "BLOCK_D": 16 if INTERPRET else 512},
+                              num_warps=1 if INTERPRET else 4)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w, num_stages=st)
+            for n in (4, 8, 16) for d in (256, 512, 1024) for w in (4, 8)
+            for st in ((3, 4) if w == 4 else (3,)) if n * d // (32 * w) <= 128]
 
 
 def reduce_configs() -> list[triton.Config]:

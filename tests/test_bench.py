@@ -183,15 +183,15 @@ def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
 def test_kernel_switches_follow_the_mode(monkeypatch):
     """``dejavu_pdl`` and ``dejavu_store`` turn on their kernel switch for their block only;
     every other mode runs with both off, whatever the environment said; it is restored."""
-    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_UP_ENV, stores_up
+    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV, stores_rows
 
     monkeypatch.setenv(PDL_ENV, "1")
-    monkeypatch.delenv(STORE_UP_ENV, raising=False)
+    monkeypatch.delenv(STORE_ROWS_ENV, raising=False)
     assert {"dejavu_pdl", "dejavu_store"} <= set(bench.SPARSE_MODES)
     with bench.kernel_switches("dejavu_store"):
-        assert stores_up() and PDL_ENV not in os.environ
+        assert stores_rows() and PDL_ENV not in os.environ
     with bench.kernel_switches("dejavu_pdl"):
-        assert os.environ[PDL_ENV] == "1" and not stores_up()
+        assert os.environ[PDL_ENV] == "1" and not stores_rows()
     with bench.kernel_switches("dejavu_sparse"):
-        assert PDL_ENV not in os.environ and not stores_up()
-    assert os.environ[PDL_ENV] == "1" and STORE_UP_ENV not in os.environ
+        assert PDL_ENV not in os.environ and not stores_rows()
+    assert os.environ[PDL_ENV] == "1" and STORE_ROWS_ENV not in os.environ

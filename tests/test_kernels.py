@@ -67,12 +67,12 @@ def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
 @pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_sparse_mlp_fill_free_up_kernel(dtype, gated, density, batch, monkeypatch):
-    """With ``DEJAVU_STORE_UP=1`` the up kernel stores whole rows and zeroes the down kernel's
+    """With ``DEJAVU_STORE_ROWS=1`` the up kernel stores whole rows and zeroes the down kernel's
     sums and counters itself (no fill launch): the op still equals the reference when its
     buffer starts out as garbage (NaN here), in one launch fewer."""
     from dejavu_compile.kernels import triton_common
 
-    monkeypatch.setenv(triton_common.STORE_UP_ENV, "1")
+    monkeypatch.setenv(triton_common.STORE_ROWS_ENV, "1")
     real, launched = sparse_mlp.fused_targets, []
 
     def garbage(*args, zeroed=True, **kw):
@@ -144,6 +144,32 @@ def test_head_kernels(dtype, n_heads, head_dim, k, bias, batch):
     want = _ref64(ref.sparse_head_out, attn, idx, wo_t, bo, head_dim)
     got = heads.sparse_head_out(attn, idx, wo_t, bo, head_dim)
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_head_proj_row_storing_kernel(dtype, bias, batch, monkeypatch):
+    """With ``DEJAVU_STORE_ROWS=1`` the query projection stores biased rows in the output's
+    dtype from one kernel (no finish launch); unselected heads' rows stay zero."""
+    from dejavu_compile.kernels import triton_common
+
+    monkeypatch.setenv(triton_common.STORE_ROWS_ENV, "1")
+    finishes = []
+    real_finish = triton_common.finish
+    monkeypatch.setattr(triton_common, "finish", lambda *a: finishes.append(1) or real_finish(*a))
+    n_heads, head_dim, k, d = 5, 3, 2, 23
+    x = _rand(batch, 1, d, dtype=dtype, seed=0)
+    w = _rand(n_heads * head_dim, d, dtype=dtype, seed=1)
+    b = _rand(n_heads * head_dim, dtype=dtype, seed=2) if bias else None
+    idx = _selection(batch, n_heads, k).view(batch, 1, k)
+    got = heads.sparse_head_proj(x, idx, w, b, head_dim)
+    assert finishes == [] and got.dtype == dtype
+    torch.testing.assert_close(got.double(), _ref64(ref.sparse_head_proj, x, idx, w, b, head_dim),
+                               **TOL[dtype])
+    if batch > 1:  # a batch's union selection keeps its finish
+        heads.sparse_head_proj(x, idx, w, b, head_dim, union=True)
+        assert finishes == [1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
