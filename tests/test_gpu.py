@@ -26,15 +26,16 @@ def _model():
 
 
 @torch.no_grad()
-def _teacher_forced_logits(model, forward, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of every decode step of ``tokens`` [1, P + STEPS] after a P-token prefill, with a
+def _teacher_forced_logits(model, forward, tokens: torch.Tensor, steps: int = STEPS
+                           ) -> torch.Tensor:
+    """Logits of every decode step of ``tokens`` [1, P + steps] after a P-token prefill, with a
     static cache (the CUDA-graph path of ``dejavu bench``)."""
     from dejavu_compile.bench import _prefilled
 
-    prompt = tokens.shape[1] - STEPS
+    prompt = tokens.shape[1] - steps
     cache, mask = _prefilled(model, tokens[:, :prompt], tokens.shape[1] + 1)
     out = []
-    for i in range(STEPS):
+    for i in range(steps):
         pos = torch.tensor([prompt + i], device="cuda")
         logits = forward(input_ids=tokens[:, prompt + i - 1 : prompt + i], past_key_values=cache,
                          cache_position=pos, position_ids=pos[None], attention_mask=mask,
@@ -94,6 +95,32 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
     # every decode graph moved layers 1-5's MLP predictors ahead
     count = dejavu_compile.report(model).counters["lookahead[mlp]"]
     assert count >= 2 * 5 and count % 5 == 0, count
+
+
+def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
+    """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
+    kernels, ``dense_gemv``, the split-K decode attention with its mask read in place) gives
+    the logits of the default step, to the tolerance of fp16 sums added in another order."""
+    from dejavu_compile.bench import decode_attention, kernel_switches, random_profile
+
+    model = _model()
+    profile = random_profile(model, 0.25, 0.5, 64, tmp_path / "variants.yaml")
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(1))
+    results = {}
+    for run, mode, extra in (("default", "dejavu_sparse", {}),
+                             ("variants", "dejavu_store", {"dense_gemv": True})):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={"profile": profile, "cudagraphs": True, **extra})
+        with kernel_switches(mode), decode_attention(model, run == "variants"):
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            results[run] = _teacher_forced_logits(model, fwd, tokens, 24)
+    counters = dejavu_compile.report(model).counters
+    assert counters["dense_gemv"] > 0, counters
+    scale = results["default"].abs().max().item()
+    torch.testing.assert_close(results["variants"], results["default"], atol=2e-2 * scale,
+                               rtol=2e-2)
 
 
 def test_programmatic_launch_matches_the_reference(monkeypatch):
