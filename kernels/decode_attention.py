@@ -22,10 +22,18 @@ import triton.language as tl
 from .kv import check_decode
 from .triton_common import INTERPRET, QUICK_TUNE, check_dtype
 
-# Chunks are a multiple of CHUNK_UNIT keys, so every autotuned block size divides them.
-CHUNK_UNIT = 16 if INTERPRET else 128
+# Chunks are whole multiples of LONG_CHUNK keys, so every autotuned block size divides them;
+# a cache too short to give MIN_PROGRAMS programs that way is cut into CHUNK_UNIT-key chunks
+# instead (the last block of a chunk may then be partial, masked). At 128 keys a chunk, a
+# Llama-3-8B step's cache of 257 positions made 24 programs on an H200's 132 SMs, and the
+# kernel took 4.8 us a layer for 1 MB of keys and values (BENCHMARKS.md, eighth session).
+# Each chunk writes GP x BLOCK_D fp32 partials (8 KB for 128-dim heads), so short chunks are
+# kept for short caches, where latency, not bytes, sets the time.
+CHUNK_UNIT = 16 if INTERPRET else 32
+LONG_CHUNK = 16 if INTERPRET else 128
 # enough programs to fill the GPU several times over; each chunk at least one unit
 PROGRAMS = 4 * 132
+MIN_PROGRAMS = PROGRAMS // 8  # half a wave of programs on an H200
 
 
 def _configs() -> list[triton.Config]:
@@ -45,10 +53,24 @@ def _fp32_dots(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
 
 
-def splits_for(batch_heads: int, length: int) -> int:
-    """Chunks per KV head: enough programs to fill the GPU, at least ``CHUNK_UNIT`` keys each."""
-    blocks = triton.cdiv(length, CHUNK_UNIT)
+def splits_for(batch_heads: int, length: int, unit: int = LONG_CHUNK) -> int:
+    """Chunks per KV head: enough programs to fill the GPU, at least ``unit`` keys each."""
+    blocks = triton.cdiv(length, unit)
     return max(1, min(blocks, triton.cdiv(PROGRAMS, batch_heads)))
+
+
+def chunking(batch_heads: int, length: int) -> tuple[int, int]:
+    """(keys per chunk, chunks) of a cache of ``length`` keys per KV head: ``splits_for``'s
+    count of ``LONG_CHUNK``-key units, or of ``CHUNK_UNIT``-key ones when that gives fewer than
+    ``MIN_PROGRAMS`` programs; chunks rounded up to whole units (to whole ``LONG_CHUNK``s once
+    longer than one)."""
+    unit = LONG_CHUNK
+    if batch_heads * splits_for(batch_heads, length) < MIN_PROGRAMS:
+        unit = CHUNK_UNIT
+    chunk = triton.cdiv(triton.cdiv(length, splits_for(batch_heads, length, unit)), unit) * unit
+    if chunk > LONG_CHUNK:
+        chunk = triton.cdiv(chunk, LONG_CHUNK) * LONG_CHUNK
+    return chunk, triton.cdiv(length, chunk)
 
 
 # L_BUCKET (the cache length rounded up to a power of two) keys the tuning, so a cache that
@@ -154,9 +176,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         raise ValueError("decode_attention: the head dimension must be contiguous")
     g = h // kvh
     gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
-    splits = splits_for(b * kvh, length)
-    chunk = triton.cdiv(triton.cdiv(length, splits), CHUNK_UNIT) * CHUNK_UNIT
-    splits = triton.cdiv(length, chunk)
+    chunk, splits = chunking(b * kvh, length)
     part_o = torch.empty(b * kvh * splits * gp * block_d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)

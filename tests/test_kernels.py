@@ -375,6 +375,18 @@ def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim
 def test_decode_attention_splits_fill_the_gpu():
     assert decode_attention.splits_for(8, 131072) * 8 >= decode_attention.PROGRAMS
     assert decode_attention.splits_for(8, 1) == 1
+    unit, long = decode_attention.CHUNK_UNIT, decode_attention.LONG_CHUNK
+    for heads, length in itertools.product((1, 8, 64), (1, 17, 257, 4096, 131072)):
+        chunk, splits = decode_attention.chunking(heads, length)
+        # every key in exactly one chunk, none empty; whole units, long chunks whole blocks
+        assert splits * chunk >= length > (splits - 1) * chunk
+        assert chunk % unit == 0 and (chunk <= long or chunk % long == 0)
+        assert splits <= decode_attention.splits_for(heads, length, unit)
+        # long chunks whenever they give enough programs
+        if heads * decode_attention.splits_for(heads, length) >= decode_attention.MIN_PROGRAMS:
+            assert chunk % long == 0
+    # a short cache is cut into short chunks, one program each
+    assert decode_attention.chunking(8, 8 * unit + 1) == (unit, 9)
     with pytest.raises(ValueError, match="multiple of the KV heads"):
         decode_attention.decode_attention(torch.zeros(1, 3, 1, 8), torch.zeros(1, 2, 5, 8),
                                           torch.zeros(1, 2, 5, 8), 1.0)
