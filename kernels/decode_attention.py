@@ -129,10 +129,12 @@ def _split_kernel(
         acc = acc * alpha[:, None] + pv
         m = m_new
     # partials laid out [B * KVH, splits, GP, BLOCK_D] and [B * KVH, splits, GP]
+    # (only the group's G real query heads: the padding rows are never read)
     part = bh * splits + chunk
-    tl.store(o_ptr + (part * GP + rows[:, None]) * BLOCK_D + offs_d[None, :], acc)
-    tl.store(m_ptr + part * GP + rows, m)
-    tl.store(l_ptr + part * GP + rows, s_sum)
+    tl.store(o_ptr + (part * GP + rows[:, None]) * BLOCK_D + offs_d[None, :], acc,
+             mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(m_ptr + part * GP + rows, m, mask=mask_g)
+    tl.store(l_ptr + part * GP + rows, s_sum, mask=mask_g)
 
 
 @triton.jit
@@ -154,7 +156,7 @@ def _combine_kernel(
     m_all = tl.max(m, 0)
     w = tl.where(mask_s & (m > float("-inf")), tl.exp(m - m_all), 0.0)
     acc = tl.load(o_ptr + ((base + offs_s[:, None]) * GP + g) * BLOCK_D + offs_d[None, :],
-                  mask=mask_s[:, None], other=0.0)
+                  mask=mask_s[:, None] & (offs_d < D)[None, :], other=0.0)
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(s * w, 0)
     tl.store(out_ptr + b * so_b + h * so_h + offs_d, (num / den).to(out_ptr.dtype.element_ty),
