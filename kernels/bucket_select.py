@@ -13,6 +13,7 @@ from .triton_common import (
     ACT_CODES,
     INTERPRET,
     QUICK_TUNE,
+    add_rows,
     apply_act,
     check_dtype,
     pdl_meta,
@@ -51,9 +52,7 @@ def _hidden_kernel(
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w1_ptr + offs_h[:, None] * stride_w1 + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        acc2 += w.to(tl.float32) * x[None, :]
+        acc2 = add_rows(acc2, w1_ptr, offs_h, mask_h, stride_w1, offs_d, mask_d, x)
     acc = tl.sum(acc2, 1)
     if HAS_B1:
         acc += tl.load(b1_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)

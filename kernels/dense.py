@@ -21,32 +21,28 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, deterministic
+from .triton_common import (
+    INTERPRET,
+    QUICK_TUNE,
+    add_rows,
+    check_dtype,
+    deterministic,
+    fixed_config,
+    store_configs,
+)
 
 # rows up to which the kernel runs (it reads the weight once per row); more go to cuBLAS
 MAX_ROWS = 1
 GEMV_FIXED = ({"BLOCK_N": 4, "BLOCK_D": 16, "num_warps": 1} if INTERPRET
               else {"BLOCK_N": 8, "BLOCK_D": 512, "num_warps": 4})
-# at most this many fp32 accumulator values per thread (more spill registers)
-_VALUES_PER_THREAD = 128
 
 
 def gemv_configs() -> list[triton.Config]:
-    """Rows per program, the slice of ``d`` loaded per loop step, warps and pipeline depth;
-    one config under the interpreter and with quick tuning."""
+    """The row-storing kernels' sweep (``triton_common.store_configs``) with up to 32 rows a
+    program; ``GEMV_FIXED`` alone under the interpreter and with quick tuning."""
     if INTERPRET or QUICK_TUNE:
-        meta = {k: v for k, v in GEMV_FIXED.items() if k != "num_warps"}
-        return [triton.Config(meta, num_warps=GEMV_FIXED["num_warps"])]
-    configs = []
-    for n in (4, 8, 16, 32):
-        for d in (256, 512, 1024):
-            for w in (4, 8):
-                if n * d // (32 * w) > _VALUES_PER_THREAD:
-                    continue
-                for stages in ((3, 4) if w == 4 else (3,)):
-                    configs.append(triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w,
-                                                 num_stages=stages))
-    return configs
+        return [fixed_config(GEMV_FIXED)]
+    return store_configs(rows=(4, 8, 16, 32))
 
 
 @triton.autotune(configs=gemv_configs(), key=["N", "D"])
@@ -65,9 +61,7 @@ def _gemv_kernel(
         offs_d = start + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc = add_rows(acc, w_ptr, offs_n.to(tl.int64), mask_n, stride_w, offs_d, mask_d, x)
     y = tl.sum(acc, 1)
     if HAS_B:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -95,9 +89,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
             out.stride(0))
     grid = lambda m: (rows.shape[0], triton.cdiv(n, m["BLOCK_N"]))  # noqa: E731
     if deterministic():  # the same config, so the same sums, in every process
-        fixed = {k: v for k, v in GEMV_FIXED.items() if k != "num_warps"}
-        _gemv_kernel.fn[grid](*args, HAS_B=b is not None, num_warps=GEMV_FIXED["num_warps"],
-                              **fixed)
+        _gemv_kernel.fn[grid](*args, HAS_B=b is not None, **GEMV_FIXED)
     else:
         _gemv_kernel[grid](*args, HAS_B=b is not None)
     return out.reshape(*x.shape[:-1], n)

@@ -60,9 +60,7 @@ def _head_proj_kernel(
         offs_d = (pid_d * TILES + t) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
-                    mask=mask[:, None] & mask_d[None, :], other=0.0)
-        acc2 += w.to(tl.float32) * x[None, :]
+        acc2 = tc.add_rows(acc2, w_ptr, wrows, mask, stride_w, offs_d, mask_d, x)
     acc = tl.sum(acc2, axis=1)
     if HAS_B:
         bias = tl.load(b_ptr + wrows, mask=mask & (pid_d == 0), other=0.0).to(tl.float32)
@@ -91,9 +89,7 @@ def _head_proj_store_kernel(
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + wrows[:, None] * stride_w + offs_d[None, :],
-                    mask=mask[:, None] & mask_d[None, :], other=0.0)
-        acc2 += w.to(tl.float32) * x[None, :]
+        acc2 = tc.add_rows(acc2, w_ptr, wrows, mask, stride_w, offs_d, mask_d, x)
     acc = tl.sum(acc2, axis=1)
     if HAS_B:
         acc += tl.load(b_ptr + wrows, mask=mask, other=0.0).to(tl.float32)

@@ -49,6 +49,7 @@ from .triton_common import (
     UNION_ROWS,
     UNION_TILE_FIXED,
     add_partial,
+    add_rows,
     apply_act,
     check_dtype,
     deterministic,
@@ -104,14 +105,10 @@ def _up_kernel(
     for t in range(TILES):
         offs_d = (pid_d * TILES + t) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        tile = valid[:, None] & mask_d[None, :]
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc = add_rows(acc, w1_ptr, neurons, valid, stride_w1, offs_d, mask_d, x)
         if GATED:
-            u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile,
-                        other=0.0)
-            acc_up += u.to(tl.float32) * x[None, :]
+            acc_up = add_rows(acc_up, wup_ptr, neurons, valid, stride_wup, offs_d, mask_d, x)
     wait_inputs(PDL)  # the targets are the zero-fill's, the kernel before
     out = pid_d * stride_part + row * stride_pre + offs_n
     add_partial(pre_ptr + out, tl.sum(acc, 1), mask_n, ATOMIC)
@@ -142,14 +139,10 @@ def _up_store_kernel(
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        tile = valid[:, None] & mask_d[None, :]
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w1_ptr + neurons[:, None] * stride_w1 + offs_d[None, :], mask=tile, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc = add_rows(acc, w1_ptr, neurons, valid, stride_w1, offs_d, mask_d, x)
         if GATED:
-            u = tl.load(wup_ptr + neurons[:, None] * stride_wup + offs_d[None, :], mask=tile,
-                        other=0.0)
-            acc_up += u.to(tl.float32) * x[None, :]
+            acc_up = add_rows(acc_up, wup_ptr, neurons, valid, stride_wup, offs_d, mask_d, x)
     out = row * stride_pre + offs_n
     tl.store(pre_ptr + out, tl.sum(acc, 1), mask=mask_n)
     if GATED:

@@ -38,7 +38,8 @@ UNION_TILE_FIXED = {**TILE_FIXED, "BLOCK_N": max(16, TILE_FIXED["BLOCK_N"])}
 UNION_REDUCE_FIXED = {**UNION_TILE_FIXED, "TILES": 2}
 
 
-def _config(fixed: dict) -> triton.Config:
+def fixed_config(fixed: dict) -> triton.Config:
+    """The autotuner's config of a ``*_FIXED`` dict (its ``num_warps`` a launch option)."""
     meta = {k: v for k, v in fixed.items() if k != "num_warps"}
     return triton.Config(meta, num_warps=fixed["num_warps"])
 
@@ -178,6 +179,16 @@ def add_partial(ptrs, vals, mask, ATOMIC: tl.constexpr):
 
 
 @triton.jit
+def add_rows(acc, w_ptr, rows, valid, stride_w, offs_d, mask_d, x):
+    """One loop step of the GEMVs that read whole weight rows: ``acc`` [R, BLOCK_D] plus the
+    rows ``rows`` of ``W`` (those ``valid``) at columns ``offs_d`` (those ``mask_d``) times
+    ``x`` (fp32 [BLOCK_D]). The 2-d accumulator is reduced once, after the loop."""
+    w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
+                mask=valid[:, None] & mask_d[None, :], other=0.0)
+    return acc + w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
 def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.constexpr):
     """The finish launch folded into a reducing kernel: after this program has added its
     partial sums into ``acc_ptrs`` (fp32), it counts itself in ``cnt_ptr``; the last of the
@@ -218,7 +229,7 @@ def tile_configs() -> list[triton.Config]:
     Under the interpreter (CPU tests) one small config keeps runs short.
     """
     if INTERPRET or QUICK_TUNE:
-        return [_config(TILE_LOOP_FIXED)]
+        return [fixed_config(TILE_LOOP_FIXED)]
     one = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (128, 128, 8), (16, 256, 4),
            (32, 256, 4), (64, 256, 8), (32, 64, 2), (64, 64, 4), (16, 512, 4), (32, 512, 8)]
     loops = [(16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8)]
@@ -231,7 +242,7 @@ def tile_configs() -> list[triton.Config]:
 def union_tile_configs() -> list[triton.Config]:
     """Tile shapes of the union kernels' ``tl.dot`` (both dimensions at least 16)."""
     if INTERPRET or QUICK_TUNE:
-        return [_config(UNION_TILE_FIXED)]
+        return [fixed_config(UNION_TILE_FIXED)]
     shapes = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8),
               (128, 128, 8), (64, 64, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w) for n, d, w in shapes]
@@ -241,7 +252,7 @@ def union_reduce_configs() -> list[triton.Config]:
     """``union_tile_configs`` with ``TILES`` neuron tiles summed per program (see
     ``reduce_configs``)."""
     if INTERPRET or QUICK_TUNE:
-        return [_config(UNION_REDUCE_FIXED)]
+        return [fixed_config(UNION_REDUCE_FIXED)]
     shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 64, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d, "TILES": t}, num_warps=w)
             for n, d, w in shapes for t in (1, 2, 4, 8)]
@@ -269,17 +280,22 @@ def dot_split(h, b, acc, IEEE: tl.constexpr):
     return tl.dot(low, b, tl.dot(high, b, acc))
 
 
-def store_configs() -> list[triton.Config]:
-    """Configs of the kernels whose programs cover all of d for their selected rows and store
-    them (``stores_rows``): rows per program, the slice of d per loop step, warps and pipeline
-    depth (the dense GEMV's sweep, ``kernels/dense.py``), at most 128 accumulator values a
-    thread."""
+# at most this many fp32 accumulator values per thread in a row-storing kernel's configs (more
+# spill registers)
+VALUES_PER_THREAD = 128
+
+
+def store_configs(rows: tuple[int, ...] = (4, 8, 16)) -> list[triton.Config]:
+    """Configs of the kernels whose programs cover all of d for their ``rows`` (choices of
+    ``BLOCK_N``) and store them (``stores_rows``, and the dense GEMV of ``kernels/dense.py``):
+    rows per program, the slice of d per loop step, warps and pipeline depth, at most
+    ``VALUES_PER_THREAD`` accumulator values a thread."""
     if INTERPRET or QUICK_TUNE:
         return [triton.Config({"BLOCK_N": 4, "BLOCK_D": 16 if INTERPRET else 512},
                               num_warps=1 if INTERPRET else 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w, num_stages=st)
-            for n in (4, 8, 16) for d in (256, 512, 1024) for w in (4, 8)
-            for st in ((3, 4) if w == 4 else (3,)) if n * d // (32 * w) <= 128]
+            for n in rows for d in (256, 512, 1024) for w in (4, 8)
+            for st in ((3, 4) if w == 4 else (3,)) if n * d // (32 * w) <= VALUES_PER_THREAD]
 
 
 def reduce_configs() -> list[triton.Config]:
@@ -287,7 +303,7 @@ def reduce_configs() -> list[triton.Config]:
     projections): ``TILES`` neuron tiles per program are summed in a loop before one atomic
     add, so fewer atomics meet on each output than with one tile per program."""
     if INTERPRET or QUICK_TUNE:
-        return [_config(REDUCE_FIXED)]
+        return [fixed_config(REDUCE_FIXED)]
     # BLOCK_D 512 (1 KB of each selected row) and loops of 8 tiles ran fastest in
     # examples/down_kernel_study.py on an H200
     shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8),
