@@ -42,12 +42,9 @@ def _ref64(fn, *args, **kw):
     return fn(*up, **kw)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh"])
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])  # one row, a few, all
-@pytest.mark.parametrize("batch", [1, 3])
-def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
+def _mlp_case(dtype, gated: bool, density: float, batch: int):
+    """Odd-sized MLP inputs (d 37, 45 neurons, d_out 29) with ``density`` of the neurons
+    selected per row: x, idx, w1, b1 (plain MLPs), w_up (gated), w2_t, b2."""
     d, n, d_out = 37, 45, 29
     k = max(1, round(density * n))
     x = _rand(batch, 1, d, dtype=dtype, seed=0)
@@ -55,7 +52,16 @@ def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
     b1 = None if gated else _rand(n, dtype=dtype, seed=3)
     w_up = _rand(n, d, dtype=dtype, seed=4) if gated else None
     b2 = _rand(d_out, dtype=dtype, seed=5)
-    idx = _selection(batch, n, k).view(batch, 1, k)
+    return x, _selection(batch, n, k).view(batch, 1, k), w1, b1, w_up, w2_t, b2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])  # one row, a few, all
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_mlp_kernel(dtype, act, gated, density, batch):
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, gated, density, batch)
     want = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
     got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
     assert got.dtype == dtype and got.shape == want.shape and got.device == x.device
@@ -85,14 +91,7 @@ def test_sparse_mlp_fill_free_up_kernel(dtype, gated, density, batch, monkeypatc
         return earlier, sums, counters, output
 
     monkeypatch.setattr(sparse_mlp, "fused_targets", garbage)
-    d, n, d_out = 37, 45, 29
-    k = max(1, round(density * n))
-    x = _rand(batch, 1, d, dtype=dtype, seed=0)
-    w1, w2_t = _rand(n, d, dtype=dtype, seed=1), _rand(n, d_out, dtype=dtype, seed=2)
-    b1 = None if gated else _rand(n, dtype=dtype, seed=3)
-    w_up = _rand(n, d, dtype=dtype, seed=4) if gated else None
-    b2 = _rand(d_out, dtype=dtype, seed=5)
-    idx = _selection(batch, n, k).view(batch, 1, k)
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, gated, density, batch)
     act = "silu" if gated else "relu"
     want = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
     got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
