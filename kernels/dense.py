@@ -4,7 +4,7 @@ A decode step of one token multiplies each weight matrix with one row. cuBLAS pi
 GEMMs for these shapes, with a second reduction launch: on an H200 the fused Q, K and V
 projection of Llama-3-8B ran at 76% of copy bandwidth and its output projection at 71% plus
 1.8 us for the reduction (BENCHMARKS.md, profile of ``dejavu_sparse``), where the sparse up
-kernel, which reads whole weight rows the same way, reached 95%. So the lower pass
+kernel, which reads whole weight rows the same way, reached 93-95%. So the lower pass
 (``DejavuOptions.dense_gemv``) can hand the one-row dense projections of the model's blocks
 to this kernel: each program reads ``BLOCK_N`` whole rows of the weight in a pipelined loop over
 ``d`` with a 2-d accumulator reduced once, adds the bias and stores its outputs in the input's
