@@ -536,12 +536,12 @@ _DEJAVU_MODES = {
     # dejavu_attn with the blocks' remaining dense projections (Q, K, V and the output of a
     # dense attention, layer 0's MLP) through dejavu::gemv instead of cuBLAS
     "dejavu_gemv": (True, False, BUCKET_UNITS, {"dense_gemv": True}),
-    # dejavu_sparse with the row-storing up and query-projection kernels
+    # dejavu_attn with the row-storing up and query-projection kernels
     # (triton_common.STORE_ROWS_ENV)
     "dejavu_store": (True, False, BUCKET_UNITS, {}),
 }
 # the modes whose step's attention runs dejavu::decode_attention
-_DECODE_ATTENTION_MODES = ("dejavu_attn", "dejavu_gemv")
+_DECODE_ATTENTION_MODES = ("dejavu_attn", "dejavu_gemv", "dejavu_store")
 
 
 @contextlib.contextmanager
