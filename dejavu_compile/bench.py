@@ -302,25 +302,29 @@ class DecodeResult:
     # GPU, one synchronisation at the end), as a generation loop that does not wait for each
     # token runs: the host's work overlaps the GPU's
     pipelined_ms: float | None = None
-    # with --breakdown: median over the profiled steps of the time from a step's first kernel
-    # start to its last kernel end; its difference to the kernels' sum is the GPU idling
-    # between kernels
-    gpu_span_ms: float | None = None
+    # with --breakdown: ``_gpu_timeline`` of the profiled steps (a step's span from its first
+    # kernel start to its last kernel end, the time in it with no kernel running and with two
+    # or more at once, the streams that ran kernels)
+    gpu_timeline: dict | None = None
 
 
 PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
 
 
-def _gpu_span_ms(prof, steps: int) -> float | None:
-    """Median over the profiled steps of first-kernel-start to last-kernel-end, in ms. The
-    steps are told apart by the host's wait between them: the ``steps - 1`` longest gaps
-    between kernels are the boundaries. None when fewer than ``steps`` kernels were recorded."""
+def _gpu_timeline(prof, steps: int) -> dict | None:
+    """How a profiled decode step spends its GPU time, medians over the ``steps`` profiled
+    steps: ``span_ms``, first kernel start to last kernel end; ``idle_ms``, the part of it with
+    no kernel running; ``concurrent_ms``, the part with two or more kernels running at once
+    (what a side stream overlaps); and ``streams``, how many streams ran kernels. The steps are
+    told apart by the host's wait between them: the ``steps - 1`` longest gaps between kernels
+    are the boundaries. None when fewer than ``steps`` kernels were recorded."""
     from torch.autograd import DeviceType
 
     # kernels only: the position's host-to-device copy starts each step before the host's work
-    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
-                   if ev.device_type == DeviceType.CUDA and not ev.name.startswith(("Memcpy",
-                                                                                   "Memset")))
+    kernels = [ev for ev in prof.events()
+               if ev.device_type == DeviceType.CUDA
+               and not ev.name.startswith(("Memcpy", "Memset"))]
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in kernels)
     if len(spans) < steps:
         return None
     ends = [spans[0][1]]
@@ -329,8 +333,23 @@ def _gpu_span_ms(prof, steps: int) -> float | None:
     gaps = sorted(range(1, len(spans)), key=lambda i: spans[i][0] - ends[i - 1])
     cuts = sorted(gaps[len(gaps) - (steps - 1):]) if steps > 1 else []
     bounds = [0, *cuts, len(spans)]
-    groups = [ends[b - 1] - spans[a][0] for a, b in itertools.pairwise(bounds)]
-    return statistics.median(groups) / 1e3
+    span, idle, concurrent = [], [], []
+    for a, b in itertools.pairwise(bounds):
+        # sweep the step's starts (+1) and ends (-1) in time order, ends first at a tie
+        marks = sorted([(t0, 1) for t0, _ in spans[a:b]] + [(t1, -1) for _, t1 in spans[a:b]])
+        running, last, alone, both = 0, marks[0][0], 0.0, 0.0
+        for t, step in marks:
+            if running == 0:
+                alone += t - last
+            elif running >= 2:
+                both += t - last
+            running, last = running + step, t
+        span.append(ends[b - 1] - spans[a][0])
+        idle.append(alone)
+        concurrent.append(both)
+    streams = {getattr(ev, "device_resource_id", None) for ev in kernels}
+    return {"span_ms": statistics.median(span) / 1e3, "idle_ms": statistics.median(idle) / 1e3,
+            "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams)}
 
 
 def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
@@ -464,9 +483,9 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
-    span = _gpu_span_ms(prof, PROFILED_STEPS) if prof is not None else None
+    timeline = _gpu_timeline(prof, PROFILED_STEPS) if prof is not None else None
     return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
-                        kernels, statistics.median(host), pipelined, span)
+                        kernels, statistics.median(host), pipelined, timeline)
 
 
 # untimed steps of the pipelined loop on its cache before the timed ones: a cache at new
@@ -842,7 +861,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                        "operating_point": point}
                 if res.breakdown is not None:
                     row["breakdown"] = res.breakdown
-                    row["gpu_span_ms"] = res.gpu_span_ms
+                    if res.gpu_timeline is not None:
+                        row.update({f"gpu_{k}": v for k, v in res.gpu_timeline.items()})
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
     if out_json:
@@ -911,11 +931,12 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
 
 def _breakdown_markdown(r: dict) -> list[str]:
     span = r.get("gpu_span_ms")
-    kernels = r["breakdown"][-1]["us_per_step"] / 1e3
-    idle = ("" if span is None else
-            f"; first kernel start to last kernel end {span:.2f} ms a step, of which "
-            f"{span - kernels:.2f} ms between kernels (less than zero: kernels of two "
-            f"streams overlapped)")
+    idle = ""
+    if span is not None:
+        idle = (f"; first kernel start to last kernel end {span:.2f} ms a step, of which "
+                f"{r['gpu_idle_ms']:.2f} ms with no kernel running and "
+                f"{r['gpu_concurrent_ms']:.2f} ms with two or more at once; kernels on "
+                f"{r['gpu_streams']} stream{'s' if r['gpu_streams'] != 1 else ''}")
     lines = [f"GPU kernel time per decode step, {r['model']} {r['mode']} (torch.profiler over 8 "
              f"steps; wall time {r['ms_per_token']:.2f} ms{idle}):", "",
              "| kernel | us per step | calls per step |", "| --- | --- | --- |"]

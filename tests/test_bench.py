@@ -69,27 +69,42 @@ def test_kernel_breakdown_sums_per_step():
     assert rows[-1]["us_per_step"] == 11.0 and rows[-1]["calls_per_step"] == 3
 
 
-def test_gpu_span_splits_the_profiled_steps():
+def test_gpu_timeline_splits_the_profiled_steps():
     """The host's wait between steps leaves the longest gaps between kernels: each step's span
-    is its first start to its last end, even when a step has a gap of its own."""
+    is its first start to its last end, even when a step has a gap of its own; inside a step,
+    the time with no kernel running and with two or more running at once are told apart, and
+    the streams that ran kernels are counted."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    def kernel(start, end, device=DeviceType.CUDA, name="k"):
-        return SimpleNamespace(device_type=device, name=name,
+    def kernel(start, end, device=DeviceType.CUDA, name="k", stream=7):
+        return SimpleNamespace(device_type=device, name=name, device_resource_id=stream,
                                time_range=SimpleNamespace(start=start, end=end))
 
-    # the second step idles 150 us inside; its first kernel overlaps its second
-    steps = [[kernel(0, 10), kernel(12, 40)], [kernel(500, 600), kernel(510, 530),
-                                               kernel(750, 760)], [kernel(1300, 1350)]]
+    # the second step idles 150 us inside; its first kernel overlaps its second (20 us), which
+    # ran on another stream
+    steps = [[kernel(0, 10), kernel(12, 40)],
+             [kernel(500, 600), kernel(510, 530, stream=9), kernel(750, 760)],
+             [kernel(1300, 1340), kernel(1340, 1350)]]
     events = [k for step in steps for k in step] + [
-        kernel(0, 2000, DeviceType.CPU), kernel(300, 301, name="Memcpy HtoD (Pageable -> Device)")]
+        kernel(0, 2000, DeviceType.CPU, stream=1),
+        kernel(300, 301, name="Memcpy HtoD (Pageable -> Device)", stream=3)]
     prof = SimpleNamespace(events=lambda: events)
-    assert bench._gpu_span_ms(prof, 3) == pytest.approx(0.05)  # median of 40, 260, 50 us
+    three = bench._gpu_timeline(prof, 3)
+    assert three["span_ms"] == pytest.approx(0.05)  # median of 40, 260, 50 us
+    assert three["idle_ms"] == pytest.approx(0.002)  # median of 2, 150, 0 us
+    assert three["concurrent_ms"] == 0.0  # median of 0, 20, 0 us
+    assert three["streams"] == 2
+    # the first two steps alone: a median of two is the mean (idle 2 and 150 us, concurrent 0
+    # and 20 us)
+    prof = SimpleNamespace(events=lambda: [k for step in steps[:2] for k in step])
+    two = bench._gpu_timeline(prof, 2)
+    assert two["concurrent_ms"] == pytest.approx(0.010) and two["idle_ms"] == pytest.approx(0.076)
     # four steps cut the longest gap inside a step too: 40, 100, 10, 50 us
-    assert bench._gpu_span_ms(prof, 4) == pytest.approx(0.045)
-    assert bench._gpu_span_ms(prof, 7) is None  # fewer kernels than steps
+    assert bench._gpu_timeline(SimpleNamespace(events=lambda: events), 4)["span_ms"] == \
+        pytest.approx(0.045)
+    assert bench._gpu_timeline(prof, 7) is None  # fewer kernels than steps
 
 
 def test_markdown_has_every_section():
@@ -105,7 +120,8 @@ def test_markdown_has_every_section():
                  **({"breakdown": [{"kernel": "k|1", "us_per_step": 3.0, "calls_per_step": 2},
                                    {"kernel": "(all kernels)", "us_per_step": 4000.0,
                                     "calls_per_step": 2}],
-                     "gpu_span_ms": 4.5} if mode == "dejavu_topk" else {})}
+                     "gpu_span_ms": 4.5, "gpu_idle_ms": 0.75, "gpu_concurrent_ms": 0.125,
+                     "gpu_streams": 2} if mode == "dejavu_topk" else {})}
                 for mode in ("hf_compiled", "dejavu_topk")],
     }
     text = bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
@@ -113,7 +129,8 @@ def test_markdown_has_every_section():
     assert "| m | hf_compiled |  | 5.00 (4.90-5.10) | 1.50 | 4.50 |" in text  # no operating point
     assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
     assert "GPU kernel time per decode step, m dejavu_topk" in text
-    assert "last kernel end 4.50 ms a step, of which 0.50 ms between kernels" in text
+    assert ("last kernel end 4.50 ms a step, of which 0.75 ms with no kernel running and "
+            "0.12 ms with two or more at once; kernels on 2 streams") in text
     assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
 
 
