@@ -532,7 +532,7 @@ def weight_bytes(model) -> int:
 
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
-         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_attn", "dejavu_gemv",
+         "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
          "dejavu_store")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
@@ -549,18 +549,16 @@ _DEJAVU_MODES = {
     "dejavu_topk": (True, False, 0, {}),  # one top-k over all units (cuBLAS + torch.topk)
     # dejavu_sparse with the kernels launched programmatically (triton_common.PDL_ENV)
     "dejavu_pdl": (True, False, BUCKET_UNITS, {}),
-    # dejavu_sparse with the step's attention through dejavu::decode_attention, the split-K
-    # Triton kernel (kv.use_decode_attention), instead of SDPA
-    "dejavu_attn": (True, False, BUCKET_UNITS, {}),
-    # dejavu_attn with the blocks' remaining dense projections (Q, K, V and the output of a
+    # dejavu_sparse with the step's attention left to SDPA: every other mode's runs through
+    # dejavu::decode_attention, the split-K Triton kernel (option decode_attention)
+    "dejavu_sdpa": (True, False, BUCKET_UNITS, {"decode_attention": "never"}),
+    # dejavu_sparse with the blocks' remaining dense projections (Q, K, V and the output of a
     # dense attention, layer 0's MLP) through dejavu::gemv instead of cuBLAS
     "dejavu_gemv": (True, False, BUCKET_UNITS, {"dense_gemv": True}),
-    # dejavu_attn with the row-storing up and query-projection kernels
+    # dejavu_sparse with the row-storing up and query-projection kernels
     # (triton_common.STORE_ROWS_ENV)
     "dejavu_store": (True, False, BUCKET_UNITS, {}),
 }
-# the modes whose step's attention runs dejavu::decode_attention
-_DECODE_ATTENTION_MODES = ("dejavu_attn", "dejavu_gemv", "dejavu_store")
 
 
 @contextlib.contextmanager
@@ -576,23 +574,6 @@ def kernel_switches(mode: str):
             if on:
                 os.environ[name] = "1"
         yield
-
-
-@contextlib.contextmanager
-def decode_attention(model, on: bool):
-    """``model``'s attention through ``dejavu::decode_attention`` (``kv.use_decode_attention``)
-    while the block runs when ``on``, its own implementation restored afterwards."""
-    if not on:
-        yield
-        return
-    from dejavu_compile.kv import use_decode_attention
-
-    before = model.config._attn_implementation
-    use_decode_attention(model)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
 
 
 @torch.no_grad()
@@ -628,8 +609,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
         options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         # the step is compiled and its kernels captured in here
-        with kernel_switches(mode), \
-                decode_attention(model, mode in _DECODE_ATTENTION_MODES):
+        with kernel_switches(mode):
             res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
         yield res
@@ -754,8 +734,11 @@ def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: 
 
             use_decode_attention(model)
         profile = random_profile(model, mlp, att, rank, workdir / f"{name}-kv-{pipeline}.yaml")
+        # SDPA stays SDPA for attention="sdpa" (the backend's pass would otherwise take it)
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={"profile": profile, "cudagraphs": True})
+                            options={"profile": profile, "cudagraphs": True,
+                                     "decode_attention": "cuda" if attention == "dejavu"
+                                     else "never"})
         pipelines[pipeline] = (model, fwd)
     # (mode, pipeline, cache tokens at context n)
     modes = (("dense", "dense", lambda n: n), ("kv", "dense", lambda n: max(2, round(kv_keep * n))),

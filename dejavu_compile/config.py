@@ -12,11 +12,13 @@ GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
 RELAYOUTS = ("in_place", "copy")
 BATCH_SELECTIONS = ("union", "row")
+DECODE_ATTENTIONS = ("cuda", "always", "never")
 
 DEFAULT_INNER = "inductor"
 DEFAULT_GRANULARITY = "head"
 DEFAULT_RELAYOUT = "in_place"
 DEFAULT_BATCH_SELECTION = "union"
+DEFAULT_DECODE_ATTENTION = "cuda"
 
 
 def _check_density(name: str, value: float | None) -> None:
@@ -80,6 +82,11 @@ class DejavuOptions:
         fused or not) run through ``dejavu::gemv``, a Triton GEMV that reads whole weight rows
         in one launch, instead of the inner compiler's GEMM (``kernels/dense.py``). The
         language-model head and other linears are left alone; on CPU the op is ``F.linear``.
+    decode_attention: where a decode step's attention (SDPA with one query token, a boolean or no
+        key mask, no dropout) runs as ``dejavu::decode_attention``, the split-K Triton kernel
+        that reads each KV head once for its group of query heads (``kernels/
+        decode_attention.py``): ``"cuda"`` (on CUDA tensors; on CPU SDPA stays), ``"always"``
+        (on CPU too, through the op's PyTorch reference) or ``"never"``.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -100,6 +107,7 @@ class DejavuOptions:
     batch_selection: str = DEFAULT_BATCH_SELECTION
     fold_predictors: bool = False
     dense_gemv: bool = False
+    decode_attention: str = DEFAULT_DECODE_ATTENTION
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -121,6 +129,9 @@ class DejavuOptions:
                              f"got {self.batch_selection!r}")
         if self.relayout not in RELAYOUTS:
             raise ValueError(f"option 'relayout' must be one of {RELAYOUTS}, got {self.relayout!r}")
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"option 'decode_attention' must be one of {DECODE_ATTENTIONS}, "
+                             f"got {self.decode_attention!r}")
         if self.inner not in INNER_COMPILERS:
             raise ValueError(f"option 'inner' must be one of {INNER_COMPILERS}, got {self.inner!r}")
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))

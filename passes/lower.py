@@ -32,6 +32,12 @@ computes for one row (stacked or not) become ``dejavu::gemv``, a one-launch Trit
 (``kernels/dense.py``) and ``F.linear`` on CPU; the language-model head and every other linear
 stay with the inner compiler.
 
+A decode step's attention (an SDPA call with one query token, no dropout, not causal, a
+boolean or no mask shared by the heads) becomes ``dejavu::decode_attention`` (option
+``decode_attention``; by default on CUDA): the split-K Triton kernel reads each KV head once for
+its group of query heads, where SDPA reads the keys and values that Hugging Face's ``repeat_kv``
+copied once per query head. The pass takes the keys and values from before that repeat.
+
 Which implementation runs is chosen by the op's dispatcher from the tensors' device: the
 reference on CPU, the registered Triton kernels on CUDA.
 """
@@ -43,9 +49,11 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .context import Linear, PassContext, add_constant, fake_mode_of, fake_value, set_val
+from .discover import SDPA_TARGETS
 
 # weight -> (its version counter when re-laid out, the [in, out] copy)
 _RELAYOUT = WeakIdKeyDictionary()
@@ -276,6 +284,143 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
         ctx.counters.add("dense_gemv")
 
 
+# SDPA's arguments after query, key and value, in order, with their defaults
+_SDPA_ARGS = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
+              ("enable_gqa", False))
+# the tensor methods ``repeat_kv``'s last step may be
+_RESHAPES = {"reshape", "view"}
+
+
+def _same(a, b) -> bool:
+    """Whether two sizes are equal without a guard (symbolic sizes only when provably so)."""
+    return statically_known_true(a == b)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _may_match(a, b) -> bool:
+    """Whether two sizes may be equal: not provably different. A growing cache gives its keys
+    and values separate symbolic lengths; ``dejavu::decode_attention`` checks them at run time
+    (``kernels/kv.py::check_decode``), as SDPA would."""
+    return not statically_known_true(a != b)
+
+
+def _kv_heads_source(node: fx.Node, heads: int) -> fx.Node | None:
+    """The [B, KVH, L, D] tensor behind ``node``, the [B, heads, L, D] keys or values SDPA reads:
+    the input of Hugging Face's ``repeat_kv`` (``x[:, :, None].expand(B, KVH, G, L, D).reshape(
+    B, KVH * G, L, D)``), else ``node`` itself (read as is, each head its own KV head); None
+    when ``node`` is not a 4-d tensor."""
+    val = fake_value(node)
+    if not isinstance(val, torch.Tensor) or val.dim() != 4:
+        return None
+    if not (node.op == "call_method" and node.target in _RESHAPES) \
+            and not (node.op == "call_function" and node.target is torch.reshape):
+        return node
+    grouped = node.args[0]
+    g_val = fake_value(grouped) if isinstance(grouped, fx.Node) else None
+    if not (isinstance(grouped, fx.Node) and grouped.op == "call_method"
+            and grouped.target == "expand" and isinstance(g_val, torch.Tensor)
+            and g_val.dim() == 5 and g_val.stride(2) == 0):
+        return node
+    single = grouped.args[0]
+    s_val = fake_value(single) if isinstance(single, fx.Node) else None
+    if not (isinstance(s_val, torch.Tensor) and s_val.dim() == 5 and _same(s_val.shape[2], 1)
+            and single.op == "call_function" and single.target is operator.getitem):
+        return node
+    source = single.args[0]
+    src_val = fake_value(source) if isinstance(source, fx.Node) else None
+    b, kvh, group, length, d = g_val.shape
+    if not (isinstance(src_val, torch.Tensor)
+            and _same_shape(src_val.shape, (b, kvh, length, d))
+            and _same_shape(val.shape, (b, heads, length, d)) and _same(kvh * group, heads)
+            and _same_shape(s_val.shape, (b, kvh, 1, length, d))):
+        return node
+    return source
+
+
+def _key_mask(graph: fx.Graph, mask, batch, length, fake_mode) -> tuple[bool, fx.Node | None]:
+    """(whether ``mask`` fits, the [B, L] bool node to pass) for SDPA's ``attn_mask``: None, or
+    a bool [B or 1, 1, 1, L] shared by the heads and the one query."""
+    if mask is None:
+        return True, None
+    val = fake_value(mask) if isinstance(mask, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() != 4 \
+            or not _same(val.shape[1], 1) or not _same(val.shape[2], 1) \
+            or not _may_match(val.shape[3], length) \
+            or not (_same(val.shape[0], batch) or _same(val.shape[0], 1)):
+        return False, None
+    keys = graph.call_function(operator.getitem, (mask, (slice(None), 0, 0, slice(None))))
+    set_val(keys, fake_mode)
+    if not _same(val.shape[0], batch):
+        keys = graph.call_function(torch.Tensor.expand, (keys, batch, length))
+        set_val(keys, fake_mode)
+    return True, keys
+
+
+def _erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase ``nodes`` in order while nothing reads them (a chain, its last user first)."""
+    for node in nodes:
+        if isinstance(node, fx.Node) and node.op in ("call_method", "call_function") \
+                and not node.users:
+            graph.erase_node(node)
+
+
+def decode_attention(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+    """Replace each decode-step SDPA call by ``dejavu::decode_attention`` (``DejavuOptions.
+    decode_attention``), on the keys and values from before ``repeat_kv``. Calls it does not
+    cover stay SDPA: several query tokens (a prefill), dropout, a causal flag, a float or
+    per-head mask, other devices than the option allows."""
+    graph = gm.graph
+    everywhere = ctx.options.decode_attention == "always"
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in SDPA_TARGETS or len(node.args) < 3:
+            continue
+        q, k, v = node.args[:3]
+        extra = dict(zip((name for name, _ in _SDPA_ARGS), node.args[3:], strict=False))
+        extra.update(node.kwargs)
+        opts = {name: extra.get(name, default) for name, default in _SDPA_ARGS}
+        if set(extra) - set(opts):
+            continue
+        q_val = fake_value(q) if isinstance(q, fx.Node) else None
+        if not isinstance(q_val, torch.Tensor) or q_val.dim() != 4 \
+                or not _same(q_val.shape[2], 1) or opts["dropout_p"] != 0.0 \
+                or opts["is_causal"] is not False \
+                or not isinstance(opts["scale"], (float, int, type(None))):
+            continue
+        if not everywhere and q_val.device.type != "cuda":
+            continue
+        heads = q_val.shape[1]
+        key = k if opts["enable_gqa"] else _kv_heads_source(k, heads)
+        value = v if opts["enable_gqa"] else _kv_heads_source(v, heads)
+        k_val = fake_value(key) if key is not None else None
+        v_val = fake_value(value) if value is not None else None
+        if not (isinstance(k_val, torch.Tensor) and isinstance(v_val, torch.Tensor)) \
+                or k_val.dim() != 4 or v_val.dim() != 4 \
+                or not all(_may_match(a, b) for a, b in zip(k_val.shape, v_val.shape, strict=True)) \
+                or not _same(q_val.shape[3], k_val.shape[3]) \
+                or heads % k_val.shape[1] != 0 \
+                or k_val.dtype != q_val.dtype or v_val.dtype != q_val.dtype:
+            continue
+        scale = opts["scale"] if opts["scale"] is not None else q_val.shape[3] ** -0.5
+        with graph.inserting_before(node):
+            fits, mask = _key_mask(graph, opts["attn_mask"], q_val.shape[0], k_val.shape[2],
+                                   fake_mode)
+            if not fits:
+                continue
+            new = graph.call_function(torch.ops.dejavu.decode_attention.default,
+                                      (q, key, value, float(scale), mask))
+        set_val(new, fake_mode)
+        new.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        for kv in (k, v):  # the repeat's reshape, expand and indexing, now unread
+            if kv is not key and kv is not value:
+                _erase_unused(graph, [kv, kv.args[0], kv.args[0].args[0]])
+        ctx.counters.add("decode_attention")
+
+
 def _is_dejavu(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", None) == DEJAVU_NAMESPACE
 
@@ -309,6 +454,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     fused_from = fuse_linears(gm, ctx, fake_mode) if ctx.options.fuse_linears else {}
     if ctx.options.dense_gemv:
         dense_gemv(gm, ctx, fused_from)
+    if ctx.options.decode_attention != "never":
+        decode_attention(gm, ctx, fake_mode)
     graph.lint()
     gm.recompile()
     return gm

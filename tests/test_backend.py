@@ -204,6 +204,128 @@ def test_dense_gemv_takes_the_blocks_one_row_projections(tiny, arch):
     assert sum(t.count(gemv) == 0 for _, t in captured[1:]) == 0  # every decode graph has some
 
 
+def _static_decode_logits(model, ids, steps: int = 3):
+    """``_decode_logits`` with a static cache and an all-ones mask over it (the CUDA-graph
+    decode path of ``dejavu bench``): the decode steps' SDPA gets a boolean key mask."""
+    from transformers import StaticCache
+
+    length = ids.shape[1] + steps + 1
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    mask = torch.ones(ids.shape[0], length, dtype=torch.long)
+    out = model(ids, past_key_values=cache, cache_position=torch.arange(ids.shape[1]),
+                use_cache=True)
+    logits, nxt = [out.logits[:, -1]], out.logits[:, -1:].argmax(-1)
+    for i in range(steps):
+        pos = torch.tensor([ids.shape[1] + i])
+        out = model(nxt, past_key_values=cache, cache_position=pos, position_ids=pos[None],
+                    attention_mask=mask, use_cache=True)
+        logits.append(out.logits[:, -1])
+        nxt = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_cache", "static_cache"])
+def test_decode_attention_takes_the_decode_steps_sdpa(tiny, arch, static):
+    """With ``decode_attention="always"`` every decode graph's SDPA calls become
+    ``dejavu::decode_attention`` on the keys and values from before ``repeat_kv`` (the graph
+    reads no repeated copy), with the boolean key mask the step has (always one with a static
+    cache), as [B, L]; the
+    prefill keeps SDPA; the logits are those of SDPA. The default (``"cuda"``) leaves a CPU
+    graph's SDPA alone (checked once)."""
+    from dejavu_compile.passes.context import fake_value
+    from dejavu_compile.passes.discover import SDPA_TARGETS
+
+    def run(where: str):
+        torch._dynamo.reset()
+        model = tiny(arch)
+        captured = []
+
+        def backend(gm, example_inputs):
+            options = {"selector": "oracle", "mlp_density": 0.5}
+            if where is not None:
+                options["decode_attention"] = where
+            compiled = dejavu_compile.backend.dejavu_backend(gm, example_inputs, options=options)
+            calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+            captured.append((dejavu_compile.backend._REPORTS[-1].counters, calls))
+            return compiled
+
+        decode = _static_decode_logits if static else _decode_logits
+        with torch.no_grad():
+            logits = decode(torch.compile(model, backend=backend), prompt(), steps=3)
+        return model, logits, captured
+
+    model, got, captured = run("always")
+    _, want, _ = run("never")
+    torch.testing.assert_close(got, want, **FP32)
+    layers = model.config.num_hidden_layers
+    kv_heads = getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)
+    op = torch.ops.dejavu.decode_attention.default
+    counts = [c.get("decode_attention", 0) for c, _ in captured]
+    assert counts[0] == 0 and all(n == layers for n in counts[1:]), counts
+    for _, calls in captured[1:]:
+        assert not [n for n in calls if n.target in SDPA_TARGETS]
+        attention = [n for n in calls if n.target is op]
+        assert len(attention) == layers
+        for node in attention:  # keys and values as cached: KV heads, not query heads
+            _, k, v, _, mask = (fake_value(a) if isinstance(a, torch.fx.Node) else a
+                                for a in node.args)
+            assert k.shape[1] == v.shape[1] == kv_heads and k.shape[3] == v.shape[3]
+            assert mask is None or (mask.dtype == torch.bool and mask.dim() == 2)
+            if static:
+                assert mask is not None
+        assert not [n for n in calls if n.op == "call_method" and n.target == "expand"
+                    and fake_value(n).dim() == 5]  # repeat_kv's expand is gone
+    if arch == "llama" and not static:
+        _, _, default = run(None)
+        assert all(not c.get("decode_attention") for c, _ in default)
+
+
+class _Attend(torch.nn.Module):
+    """One SDPA call on its inputs, as a decode step makes it (keys repeated per query head)."""
+
+    def forward(self, q, k, v, mask, causal: bool = False, dropout: float = 0.0):
+        group = q.shape[1] // k.shape[1]
+        b, kvh, length, d = k.shape
+        k = k[:, :, None].expand(b, kvh, group, length, d).reshape(b, kvh * group, length, d)
+        v = v[:, :, None].expand(b, kvh, group, length, d).reshape(b, kvh * group, length, d)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
+
+
+@pytest.mark.parametrize("case", ["bool", "shared", "none", "float", "per_head", "causal",
+                                  "dropout", "prefill"])
+def test_decode_attention_covers_what_it_computes_alike(case):
+    """``decode_attention`` rewrites a one-query SDPA with a boolean key mask shared by the
+    heads ([B or 1, 1, 1, L]) or none, and gives SDPA's result; a float or per-head mask, a
+    causal flag, dropout or several queries keep SDPA."""
+    torch.manual_seed(0)
+    b, heads, kvh, length, d = 2, 4, 2, 9, 8
+    q = torch.randn(b, heads, 5 if case == "prefill" else 1, d)
+    k, v = torch.randn(b, kvh, length, d), torch.randn(b, kvh, length, d)
+    keys = torch.rand(b, length) > 0.3
+    keys[:, 0] = True
+    mask = {"bool": keys[:, None, None], "shared": keys[:1, None, None], "none": None,
+            "float": torch.where(keys, 0.0, -1e4)[:, None, None],
+            "per_head": keys[:, None, None].expand(b, heads, 1, length).clone(),
+            "causal": None, "dropout": None, "prefill": keys[:, None, None]}[case]
+    extra = {"causal": case == "causal", "dropout": 0.5 if case == "dropout" else 0.0}
+    counters = []
+
+    def backend(gm, example_inputs):
+        out = dejavu_compile.backend.dejavu_backend(
+            gm, example_inputs, options={"selector": "oracle", "mlp_density": 0.5,
+                                         "decode_attention": "always", "inner": "eager"})
+        counters.append(dejavu_compile.backend._REPORTS[-1].counters)
+        return out
+
+    got = torch.compile(_Attend(), backend=backend, fullgraph=True)(q, k, v, mask, **extra)
+    rewritten = case in ("bool", "shared", "none")
+    assert counters[-1].get("decode_attention", 0) == (1 if rewritten else 0), counters
+    if case != "dropout":
+        torch.testing.assert_close(got, _Attend()(q, k, v, mask, **extra), **FP32)
+
+
 def test_compile_leaves_room_for_the_relayout_recompiles(tiny):
     """Past Dynamo's recompile limit a frame runs uncompiled (dense): the API raises the limit,
     which the in-place re-layout's one recompile per graph and evaluation twins need."""

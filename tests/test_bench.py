@@ -152,23 +152,17 @@ def test_fold_mode_folds_the_bench_predictors(tiny, tmp_path):
     assert counters.get("folded[attention]") == 1 and counters.get("folded[mlp]") == 1
 
 
-def test_decode_attention_mode_sets_and_restores_the_attention():
-    """Mode ``dejavu_attn`` runs its step with the model's attention through
-    ``dejavu::decode_attention``, and gives the model its own attention back afterwards."""
-    import transformers as tf
+def test_only_the_sdpa_mode_turns_the_decode_attention_off():
+    """Every dejavu mode's options are valid backend options; ``dejavu_sdpa`` keeps the step's
+    attention on SDPA, and every other mode has the backend's default (the split-K
+    ``dejavu::decode_attention`` on CUDA)."""
+    from dejavu_compile.config import DEFAULT_DECODE_ATTENTION, DejavuOptions
 
-    from dejavu_compile.kv import DECODE_ATTENTION
-
-    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    cfg._attn_implementation = "sdpa"
-    model = tf.LlamaForCausalLM(cfg).eval()
-    assert "dejavu_attn" in bench.MODES and "dejavu_attn" in bench.SPARSE_MODES
-    with bench.decode_attention(model, True):
-        assert model.config._attn_implementation == DECODE_ATTENTION
-    assert model.config._attn_implementation == "sdpa"
-    with bench.decode_attention(model, False):
-        assert model.config._attn_implementation == "sdpa"
+    assert "dejavu_sdpa" in bench.MODES and "dejavu_sdpa" in bench.SPARSE_MODES
+    for mode, (_, _, _, extra) in bench._DEJAVU_MODES.items():
+        options = DejavuOptions.from_mapping({"selector": "fixed", "mlp_density": 0.5, **extra})
+        want = "never" if mode == "dejavu_sdpa" else DEFAULT_DECODE_ATTENTION
+        assert options.decode_attention == want, mode
 
 
 def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
