@@ -10,6 +10,11 @@ programs run at once (the cache of one head is too long a stream for one program
 2. ``_combine_kernel``: program (batch * query head) rescales the chunks to a common maximum and
    sums them.
 
+Given ``counters`` (int32, one per batch x KV head, zero between calls: the lower pass attaches
+them to each call it makes), the split kernel merges the chunks itself and step 2 is not
+launched: each program counts itself done for its KV head, and the last of them merges the
+group's chunks and sets the count back to zero. A decode step has one launch fewer per layer.
+
 The cache is read exactly once. Reference: ``kernels/reference.py::decode_attention``.
 """
 
@@ -75,14 +80,15 @@ def chunking(batch_heads: int, length: int) -> tuple[int, int]:
 
 # L_BUCKET (the cache length rounded up to a power of two) keys the tuning, so a cache that
 # grows by one position a step does not retune every step
-@triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH"])
+@triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH", "MERGE"])
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr,
     L, L_BUCKET, G, D, KVH, CHUNK, scale,
-    sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, smask_b,
+    sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, smask_b, so_b, so_h,
     HAS_MASK: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
     IEEE: tl.constexpr,  # dots in fp32 (``_fp32_dots``)
+    MERGE: tl.constexpr,  # the last program of each KV head merges its chunks (``cnt_ptr``)
 ):
     bh, chunk = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
@@ -135,6 +141,32 @@ def _split_kernel(
              mask=mask_g[:, None] & mask_d[None, :])
     tl.store(m_ptr + part * GP + rows, m, mask=mask_g)
     tl.store(l_ptr + part * GP + rows, s_sum, mask=mask_g)
+    if MERGE:
+        # every thread's stores before the count (its release); the last program's count
+        # (its acquire) before its loads, which read the other programs' partials from L2
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == splits - 1:
+            base = bh * splits
+            m_all = tl.full([GP], float("-inf"), tl.float32)
+            for s in range(splits):
+                m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * GP + rows, mask=mask_g,
+                                                  other=float("-inf"), cache_modifier=".cg"))
+            num = tl.zeros([GP, BLOCK_D], tl.float32)
+            den = tl.zeros([GP], tl.float32)
+            for s in range(splits):
+                m_s = tl.load(m_ptr + (base + s) * GP + rows, mask=mask_g, other=float("-inf"),
+                              cache_modifier=".cg")
+                w = tl.where(m_s > float("-inf"), tl.exp(m_s - m_all), 0.0)
+                o_s = tl.load(o_ptr + ((base + s) * GP + rows[:, None]) * BLOCK_D
+                              + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
+                              other=0.0, cache_modifier=".cg")
+                num += o_s * w[:, None]
+                den += tl.load(l_ptr + (base + s) * GP + rows, mask=mask_g, other=0.0,
+                               cache_modifier=".cg") * w
+            tl.store(out_ptr + b * so_b + (kvh * G + rows[:, None]) * so_h + offs_d[None, :],
+                     (num / den[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=mask_g[:, None] & mask_d[None, :])
+            tl.atomic_xchg(cnt_ptr + bh, 0)  # zero again for the next call
 
 
 @triton.jit
@@ -164,14 +196,17 @@ def _combine_kernel(
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None,
+                     counters: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.decode_attention``.
 
     q: [B, H, 1, D]; k, v: [B, KVH, L, D] (the last dimension contiguous), H a multiple of KVH;
-    mask: None or bool [B, L] (True: attend); returns [B, H, 1, D] in q's dtype.
+    mask: None or bool [B, L] (True: attend); counters: None, or int32 [>= B * KVH], zero, given
+    back zero (one launch instead of two, see the module doc); returns [B, H, 1, D] in q's
+    dtype.
     """
     check_dtype("decode_attention", q, k, v)
-    check_decode(q, k, v, mask)  # the op's checks: its CUDA kernel replaces its body
+    check_decode(q, k, v, mask, counters)  # the op's checks: its CUDA kernel replaces its body
     b, h, _, d = q.shape
     kvh, length = k.shape[1], k.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -186,14 +221,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         # the bool mask read as bytes in place (no copy launch; a Llama-3-8B step spent 69 us in
         # 32 such copies on an H200) when its keys are contiguous, as a decode step's mask is
         mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.to(torch.uint8).contiguous()
+    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    merge = counters is not None
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
+        counters if merge else part_m, out,
         length, triton.next_power_of_2(length), g, d, kvh, chunk, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
-        HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, IEEE=_fp32_dots(k.dtype),
+        out.stride(0), out.stride(1),
+        HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, IEEE=_fp32_dots(k.dtype), MERGE=merge,
     )
-    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    if merge:
+        return out
     _combine_kernel[(b * h,)](
         part_o, part_m, part_l, out,
         g, d, kvh, splits, out.stride(0), out.stride(1),

@@ -33,18 +33,23 @@ def _(scores, budget, sinks, window, smooth):
     return scores.new_empty(*scores.shape[:2], min(budget, scores.shape[2]), dtype=torch.int64)
 
 
+# ``counters`` is working memory of the CUDA kernel, zero before and after every call, so the
+# op declares no mutation: its value is the same after the call as before.
 @torch.library.custom_op("dejavu::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None,
+                     counters: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token's attention over its KV cache, grouped-query heads read once per KV
     head: q [B, H, 1, D], k / v [B, KVH, L, D], mask None or bool [B, L] (True: attend) ->
     [B, H, 1, D]. On CUDA the split-K Triton kernel of ``kernels/decode_attention.py``; every
-    mode of ``dejavu bench --kv`` reads its cache through it."""
-    check_decode(q, k, v, mask)
+    mode of ``dejavu bench --kv`` reads its cache through it. ``counters`` (int32 zeros, at
+    least B * KVH; the lower pass attaches them) let that kernel merge its chunks in the same
+    launch; the result is the same without them."""
+    check_decode(q, k, v, mask, counters)
     return ref.decode_attention(q, k, v, scale, mask)
 
 
-def check_decode(q, k, v, mask) -> None:
+def check_decode(q, k, v, mask, counters=None) -> None:
     if q.dim() != 4 or q.shape[2] != 1 or k.shape[:3] != v.shape[:3] \
             or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} must be [B, H, 1, D] with H a "
@@ -52,9 +57,15 @@ def check_decode(q, k, v, mask) -> None:
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (k.shape[0], k.shape[2])):
         raise ValueError(f"decode_attention: mask must be bool [B, L] = {(k.shape[0], k.shape[2])}, "
                          f"got {mask.dtype} {tuple(mask.shape)}")
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
+                                 or counters.numel() < k.shape[0] * k.shape[1]
+                                 or counters.device != q.device):
+        raise ValueError(f"decode_attention: counters must be int32 [>= B * KVH = "
+                         f"{k.shape[0] * k.shape[1]}] on {q.device}, got {counters.dtype} "
+                         f"{tuple(counters.shape)} on {counters.device}")
 
 
 @decode_attention.register_fake
-def _(q, k, v, scale, mask=None):
-    check_decode(q, k, v, mask)
+def _(q, k, v, scale, mask=None, counters=None):
+    check_decode(q, k, v, mask, counters)
     return torch.empty_like(q)

@@ -36,7 +36,9 @@ A decode step's attention (an SDPA call with one query token, no dropout, not ca
 boolean or no mask shared by the heads) becomes ``dejavu::decode_attention`` (option
 ``decode_attention``; by default on CUDA): the split-K Triton kernel reads each KV head once for
 its group of query heads, where SDPA reads the keys and values that Hugging Face's ``repeat_kv``
-copied once per query head. The pass takes the keys and values from before that repeat.
+copied once per query head. The pass takes the keys and values from before that repeat, and on
+CUDA gives each call a buffer of counters (a constant of the graph, zero between calls) with
+which the kernel merges its chunks in the same launch.
 
 Which implementation runs is chosen by the op's dispatcher from the tensors' device: the
 reference on CPU, the registered Triton kernels on CUDA.
@@ -409,8 +411,16 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
                                    fake_mode)
             if not fits:
                 continue
+            counters = None
+            slots = q_val.shape[0] * k_val.shape[1]
+            if q_val.device.type == "cuda" and isinstance(slots, int):
+                # the kernel's own counters, zero between calls: it merges its chunks in the
+                # same launch (kernels/decode_attention.py)
+                counters = add_constant(gm, ctx, "attention_counters", torch.zeros(
+                    slots, dtype=torch.int32, device=q_val.device), fake_mode)
+                ctx.counters.add("decode_attention_merged")
             new = graph.call_function(torch.ops.dejavu.decode_attention.default,
-                                      (q, key, value, float(scale), mask))
+                                      (q, key, value, float(scale), mask, counters))
         set_val(new, fake_mode)
         new.meta["stack_trace"] = node.meta.get("stack_trace")
         node.replace_all_uses_with(new)

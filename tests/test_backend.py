@@ -268,8 +268,9 @@ def test_decode_attention_takes_the_decode_steps_sdpa(tiny, arch, static):
         attention = [n for n in calls if n.target is op]
         assert len(attention) == layers
         for node in attention:  # keys and values as cached: KV heads, not query heads
-            _, k, v, _, mask = (fake_value(a) if isinstance(a, torch.fx.Node) else a
-                                for a in node.args)
+            _, k, v, _, mask, counters = (fake_value(a) if isinstance(a, torch.fx.Node) else a
+                                          for a in node.args)
+            assert counters is None  # on CUDA only
             assert k.shape[1] == v.shape[1] == kv_heads and k.shape[3] == v.shape[3]
             assert mask is None or (mask.dtype == torch.bool and mask.dim() == 2)
             if static:

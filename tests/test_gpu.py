@@ -99,8 +99,8 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
 
 def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
-    kernels, ``dense_gemv``, the split-K decode attention with its mask read in place, which
-    the lower pass puts in place of SDPA) gives the logits of the step with SDPA and the
+    kernels, ``dense_gemv``, the split-K decode attention with its mask read in place and its
+    chunks merged in the same launch, which the lower pass puts in place of SDPA) gives the logits of the step with SDPA and the
     default kernels, to the tolerance of fp16 sums added in another order.
 
     The fixed selector keeps the selection apart from the numerics: with the profile's random
@@ -126,6 +126,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
             results[run] = _teacher_forced_logits(model, fwd, tokens, 24)
     counters = dejavu_compile.report(model).counters
     assert counters["dense_gemv"] > 0 and counters["decode_attention"] > 0, counters
+    # every decode attention the pass made on CUDA merges its chunks in one launch
+    assert counters["decode_attention_merged"] == counters["decode_attention"], counters
     scale = results["default"].abs().max().item()
     torch.testing.assert_close(results["variants"], results["default"], atol=2e-2 * scale,
                                rtol=2e-2)

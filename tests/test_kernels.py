@@ -369,6 +369,17 @@ def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim
     assert strided.stride(-1) == 2
     torch.testing.assert_close(decode_attention.decode_attention(q, k, v, scale, strided).double(),
                                _ref64(ref.decode_attention, q, k, v, scale, strided), **TOL[dtype])
+    # with counters the split kernel merges the chunks itself: same result, twice in a row, the
+    # counters given back zero (the slot past B * KVH untouched)
+    counters = torch.zeros(batch * kv_heads + 1, dtype=torch.int32, device=DEVICE)
+    for m in (None, mask, None):
+        got = decode_attention.decode_attention(q, k, v, scale, m, counters)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.double(), _ref64(ref.decode_attention, q, k, v, scale, m),
+                                   **TOL[dtype])
+        assert not counters.any()
+    with pytest.raises(ValueError, match="counters must be int32"):
+        decode_attention.decode_attention(q, k, v, scale, None, counters[:-2])
 
 
 def test_decode_attention_splits_fill_the_gpu():
