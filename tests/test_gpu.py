@@ -100,8 +100,9 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
 def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
     kernels, ``dense_gemv``, the split-K decode attention with its mask read in place and its
-    chunks merged in the same launch, which the lower pass puts in place of SDPA) gives the logits of the step with SDPA and the
-    default kernels, to the tolerance of fp16 sums added in another order.
+    chunks merged in the same launch, which the lower pass puts in place of SDPA) gives the
+    logits of the step with SDPA and the default kernels, to the tolerance of fp16 sums added
+    in another order.
 
     The fixed selector keeps the selection apart from the numerics: with the profile's random
     predictors, sums added in another order flip near-tied units in and out of the top-k, and

@@ -42,6 +42,26 @@ def test_predictors_read_the_previous_layers_input(tiny, arch, tmp_path):
                                    "lookahead[attention]": 1}
 
 
+def test_inductor_keeps_the_predictors_ahead(tiny, tmp_path):
+    """Inductor's code calls every predictor where the lookahead pass put it, ahead of the
+    previous layer's sparse MLP: its post-grad ``reorder_for_locality`` (off for such graphs,
+    ``backend.inductor_patches``) would move each one back beside the op that reads it."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny("llama")
+    path, _ = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    compiled = torch.compile(model, backend="dejavu", options={"profile": str(path)})
+    with torch.no_grad():
+        _, codes = run_and_get_code(_decode_logits, compiled, prompt(), 1)
+    [code] = [c for c in codes if "dejavu.sparse_mlp" in c]
+    calls = [line for line in code.splitlines() if "torch.ops.dejavu." in line
+             and not line.strip().startswith(("#", "assert"))]
+    predictors = [i for i, line in enumerate(calls) if "select_predictor" in line]
+    mlps = [i for i, line in enumerate(calls) if "sparse_mlp" in line]
+    assert len(predictors) == 4 and len(mlps) == 2, calls
+    assert max(predictors) < min(mlps), calls
+
+
 def _lookahead_reference(model, tensors, ids):
     """Eager decoding with the predictors of a lookahead profile applied by hand, in order."""
     return _reference_logits(model, ids, lambda: _predictor_reference_hooks(
