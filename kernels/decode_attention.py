@@ -209,8 +209,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     check_decode(q, k, v, mask, counters)  # the op's checks: its CUDA kernel replaces its body
     b, h, _, d = q.shape
     kvh, length = k.shape[1], k.shape[2]
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("decode_attention: the head dimension must be contiguous")
+    # the kernel reads rows of head_dim contiguous values: another layout is copied first (the
+    # lower pass hands it the model's own tensors, whose layout the model chose)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     g = h // kvh
     gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
     chunk, splits = chunking(b * kvh, length)

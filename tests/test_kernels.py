@@ -380,6 +380,12 @@ def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim
         assert not counters.any()
     with pytest.raises(ValueError, match="counters must be int32"):
         decode_attention.decode_attention(q, k, v, scale, None, counters[:-2])
+    # a head dimension that is not contiguous (every other value of a buffer) is read through
+    # a copy
+    k_t = torch.stack([k, k], -1)[..., 0]
+    assert k_t.stride(-1) == 2
+    torch.testing.assert_close(decode_attention.decode_attention(q, k_t, v, scale).double(),
+                               _ref64(ref.decode_attention, q, k, v, scale), **TOL[dtype])
 
 
 def test_decode_attention_splits_fill_the_gpu():
