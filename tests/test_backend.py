@@ -285,7 +285,11 @@ def test_decode_attention_takes_the_decode_steps_sdpa(tiny, arch, static):
 class _Attend(torch.nn.Module):
     """One SDPA call on its inputs, as a decode step makes it (keys repeated per query head)."""
 
-    def forward(self, q, k, v, mask, causal: bool = False, dropout: float = 0.0):
+    def forward(self, q, k, v, mask, causal: bool = False, dropout: float = 0.0,
+                gqa: bool = False):
+        if gqa:  # SDPA repeats the KV heads itself (what Hugging Face asks for without a mask)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout, enable_gqa=True)
         group = q.shape[1] // k.shape[1]
         b, kvh, length, d = k.shape
         k = k[:, :, None].expand(b, kvh, group, length, d).reshape(b, kvh * group, length, d)
@@ -294,11 +298,12 @@ class _Attend(torch.nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
 
 
-@pytest.mark.parametrize("case", ["bool", "shared", "none", "float", "per_head", "causal",
+@pytest.mark.parametrize("case", ["bool", "shared", "none", "gqa", "float", "per_head", "causal",
                                   "dropout", "prefill"])
 def test_decode_attention_covers_what_it_computes_alike(case):
     """``decode_attention`` rewrites a one-query SDPA with a boolean key mask shared by the
-    heads ([B or 1, 1, 1, L]) or none, and gives SDPA's result; a float or per-head mask, a
+    heads ([B or 1, 1, 1, L]) or none, on repeated KV heads or with ``enable_gqa``, and gives
+    SDPA's result; a float or per-head mask, a
     causal flag, dropout or several queries keep SDPA."""
     torch.manual_seed(0)
     b, heads, kvh, length, d = 2, 4, 2, 9, 8
@@ -309,8 +314,9 @@ def test_decode_attention_covers_what_it_computes_alike(case):
     mask = {"bool": keys[:, None, None], "shared": keys[:1, None, None], "none": None,
             "float": torch.where(keys, 0.0, -1e4)[:, None, None],
             "per_head": keys[:, None, None].expand(b, heads, 1, length).clone(),
-            "causal": None, "dropout": None, "prefill": keys[:, None, None]}[case]
-    extra = {"causal": case == "causal", "dropout": 0.5 if case == "dropout" else 0.0}
+            "causal": None, "dropout": None, "prefill": keys[:, None, None], "gqa": None}[case]
+    extra = {"causal": case == "causal", "dropout": 0.5 if case == "dropout" else 0.0,
+             "gqa": case == "gqa"}
     counters = []
 
     def backend(gm, example_inputs):
@@ -321,7 +327,7 @@ def test_decode_attention_covers_what_it_computes_alike(case):
         return out
 
     got = torch.compile(_Attend(), backend=backend, fullgraph=True)(q, k, v, mask, **extra)
-    rewritten = case in ("bool", "shared", "none")
+    rewritten = case in ("bool", "shared", "none", "gqa")
     assert counters[-1].get("decode_attention", 0) == (1 if rewritten else 0), counters
     if case != "dropout":
         torch.testing.assert_close(got, _Attend()(q, k, v, mask, **extra), **FP32)
