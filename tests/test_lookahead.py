@@ -44,7 +44,7 @@ def test_predictors_read_the_previous_layers_input(tiny, arch, tmp_path):
 
 def test_inductor_keeps_the_predictors_ahead(tiny, tmp_path):
     """Inductor's code calls every predictor where the lookahead pass put it, ahead of the
-    previous layer's sparse MLP: its post-grad ``reorder_for_locality`` (off for such graphs,
+    previous layer's sparse MLP: its post-grad ``reorder_for_locality`` (off,
     ``backend.inductor_patches``) would move each one back beside the op that reads it."""
     from torch._inductor.utils import run_and_get_code
 
