@@ -71,14 +71,16 @@ def join(device: torch.device, slot: int) -> None:
 def waiting(impl, n_args: int):
     """Wrap a CUDA implementation of ``sparse_mlp`` / ``sparse_head_proj`` (whose own arguments
     are the first ``n_args``) so it first joins the lookahead predictor named by the op's
-    trailing ``keep`` and ``slot`` arguments."""
+    trailing ``keep`` and ``slot`` arguments; a ``workspace`` after them (``sparse_mlp``) goes
+    on to the implementation."""
 
-    def run(*args, keep=None, slot=-1):
+    def run(*args, keep=None, slot=-1, workspace=None):
         if len(args) > n_args:
             args, extra = args[:n_args], args[n_args:]
             slot = extra[1] if len(extra) > 1 else slot
+            workspace = extra[2] if len(extra) > 2 else workspace
         join(args[0].device, slot)
-        return impl(*args)
+        return impl(*args) if workspace is None else impl(*args, workspace=workspace)
 
     run.__doc__ = impl.__doc__
     run.__name__ = getattr(impl, "__name__", "run")

@@ -16,6 +16,18 @@ import torch
 from . import reference as ref
 
 _LIB = "dejavu"
+# the smallest output tile of a reducing kernel: sizes the counters of the programs adding into
+# each output tile (``triton_common.finish_last``)
+COUNT_BLOCK = 16
+
+
+def mlp_workspace_numel(rows: int, k: int, d_out: int, gated: bool) -> int:
+    """fp32 values of the zero-between-calls workspace of a ``sparse_mlp`` on CUDA with ``rows``
+    rows of ``k`` selected neurons each (``triton_common.workspace_targets``): pre-activations
+    (and up values), the output sums, the counters of the output tiles and of the neuron
+    tiles."""
+    return ((2 if gated else 1) + 1) * rows * k + rows * d_out \
+        + rows * -(-d_out // COUNT_BLOCK)
 
 
 def _ids_like(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -139,14 +151,18 @@ def sparse_mlp(
     union: bool = False,
     keep: torch.Tensor | None = None,
     slot: int = -1,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLP over the selected neurons: act(x W1[idx]^T (+b1)) [* x W_up[idx]^T] @ W2_t[idx] (+b2);
-    with ``union``, every row over the neurons any row selected (``reference.union_ids``)."""
+    with ``union``, every row over the neurons any row selected (``reference.union_ids``).
+    ``workspace`` (fp32 zeros, ``mlp_workspace_numel``; the lower pass attaches one on CUDA) is
+    working memory the CUDA kernels leave zero again, so the op declares no mutation; the
+    result is the same without it."""
     return ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union)
 
 
 @sparse_mlp.register_fake
-def _(x, idx, w1, b1, w_up, w2_t, b2, act, union=False, keep=None, slot=-1):
+def _(x, idx, w1, b1, w_up, w2_t, b2, act, union=False, keep=None, slot=-1, workspace=None):
     return x.new_empty(*x.shape[:-1], w2_t.shape[1])
 
 

@@ -75,6 +75,7 @@ from .triton_common import (
     union_reduce_configs,
     union_tile_configs,
     wait_inputs,
+    workspace_targets,
     zero_share,
 )
 
@@ -152,13 +153,16 @@ def _up_store_kernel(
 
 # the weight's column stride is in the key: a transposed view (the one call before the in-place
 # re-layout) must not pick the tiles that every later call, on the re-laid-out rows, runs with
+# CLEAN zeroes the pre-activations once read: the autotuner restores them between its trials
 @triton.autotune(configs=reduce_configs(), key=["DOUT", "K", "stride_w2o"],
-                 reset_to_zero=["out_ptr", "cnt_ptr"])
+                 reset_to_zero=["out_ptr", "cnt_ptr", "clean_ptr"],
+                 restore_value=["pre_ptr", "up_ptr"])
 @triton.jit
 def _down_kernel(
     # pointers (FUSED: ``fin_ptr`` the output in its dtype, ``b2_ptr`` its bias, ``cnt_ptr``
-    # the counters of ``triton_common.finish_last``)
-    pre_ptr, up_ptr, idx_ptr, b1_ptr, w2t_ptr, out_ptr, fin_ptr, b2_ptr, cnt_ptr,
+    # the counters of ``triton_common.finish_last``; CLEAN: ``clean_ptr`` [R, K] counters of
+    # the programs done reading each neuron tile)
+    pre_ptr, up_ptr, idx_ptr, b1_ptr, w2t_ptr, out_ptr, fin_ptr, b2_ptr, cnt_ptr, clean_ptr,
     # sizes
     DOUT, K,
     # strides (``W2_t`` may be any view: a row per neuron is fastest, see the lower pass)
@@ -168,6 +172,9 @@ def _down_kernel(
     # meta-parameters
     ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, ATOMIC: tl.constexpr,
     FUSED: tl.constexpr, HAS_B2: tl.constexpr,
+    # leave the op's workspace zero: the output sums (``finish_last``) and, by the last program
+    # to read each neuron tile, its pre-activations
+    CLEAN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -197,7 +204,20 @@ def _down_kernel(
     if FUSED:
         finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
                     b2_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
-                    tl.num_programs(1), HAS_B2)
+                    tl.num_programs(1), HAS_B2, CLEAN)
+    if CLEAN:
+        # every thread's loads of the tile's pre-activations before the count (its release);
+        # the last of the tile's readers zeroes them for the next call
+        tl.debug_barrier()
+        done = clean_ptr + row * K + pid_n
+        if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            for t in range(TILES):
+                offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+                zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
+                tl.store(pre_ptr + row * stride_pre + offs_n, zeros, mask=offs_n < K)
+                if GATED:
+                    tl.store(up_ptr + row * stride_pre + offs_n, zeros, mask=offs_n < K)
+            tl.atomic_xchg(done, 0)
 
 
 @triton.autotune(configs=union_tile_configs(), key=["D", "K"],
@@ -324,10 +344,11 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
 
 
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
-                 fin=None, b2=None, cnt=None):
+                 fin=None, b2=None, cnt=None, clean=None):
     """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP). With ``fin``
     (per-row ids, atomics) the kernel finishes its outputs into it, adding ``b2``, counting in
-    ``cnt`` (``triton_common.finish_last``)."""
+    ``cnt`` (``triton_common.finish_last``); with ``clean`` ([R, k] int32 zeros) it leaves the
+    pre-activations, sums and counters zero (a workspace, ``workspace_targets``)."""
     k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
     if shared(sel, n_rows):
         launch(_down_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -345,19 +366,23 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
                pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
                fin if fin is not None else parts, b2 if b2 is not None else w2_t,
                cnt if cnt is not None else parts,
+               clean if clean is not None else (cnt if cnt is not None else parts),
                d_out, k,
                pre.stride(1), idx_stride(sel), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
                parts.stride(0) if det else 0,
                ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
-               FUSED=fin is not None, HAS_B2=b2 is not None,
+               FUSED=fin is not None, HAS_B2=b2 is not None, CLEAN=clean is not None,
                fixed=REDUCE_FIXED if det else None)
 
 
-def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) -> torch.Tensor:
+def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
+               workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher with the signature of ``torch.ops.dejavu.sparse_mlp``.
 
     x: [..., d] (fp16/bf16/fp32); idx: [..., k] int64; w1, w_up: [N, d]; w2_t: [N, d_out];
-    returns [..., d_out] in x's dtype.
+    workspace: None or fp32 zeros (``ops.mlp_workspace_numel``), given back zero: with per-row
+    ids and atomics the op then launches no zero-fill (two launches, not three); returns
+    [..., d_out] in x's dtype.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
     d, d_out = x.shape[-1], w2_t.shape[1]
@@ -380,10 +405,16 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False) ->
                (w_up if gated else w1).stride(0), pre.stride(1), GATED=gated)
         _launch_down(pre, sel, b1, w2_t, out[None], act, gated, det, fin, b2, cnt)
         return fin.reshape(*x.shape[:-1], d_out)
-    pre, out, cnt, fin = _targets(det, 2 if gated else 1, n_rows, k, d, d_out, x.device,
-                                  x.dtype, union=union_ids)
+    n_pre, clean = 2 if gated else 1, None
+    if workspace is not None and fuses_finish(det, union_ids):
+        pre, out, cnt, fin, clean = workspace_targets(workspace, n_rows, d_out,
+                                                      n_pre * n_rows * k, k, x.dtype)
+        pre, out = pre.view(1, n_pre, n_rows, k), out[None]
+    else:
+        pre, out, cnt, fin = _targets(det, n_pre, n_rows, k, d, d_out, x.device, x.dtype,
+                                      union=union_ids)
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
-    _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt)
+    _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)
     return fin.reshape(*x.shape[:-1], d_out)

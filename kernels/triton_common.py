@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops import COUNT_BLOCK
+
 try:  # programmatic dependent launch (Hopper and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -189,13 +191,16 @@ def add_rows(acc, w_ptr, rows, valid, stride_w, offs_d, mask_d, x):
 
 
 @triton.jit
-def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.constexpr):
+def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.constexpr,
+                CLEAN: tl.constexpr = False):
     """The finish launch folded into a reducing kernel: after this program has added its
     partial sums into ``acc_ptrs`` (fp32), it counts itself in ``cnt_ptr``; the last of the
     ``n_split`` programs adding into these outputs reads the sums (atomically, from L2 where
     the atomics ran), adds the bias and stores them at ``out_ptrs`` in the output's dtype.
     The barrier puts every thread's atomics before the count (its release); the count's
-    acquire puts the other programs' before the read."""
+    acquire puts the other programs' before the read. With ``CLEAN`` it then zeroes the sums
+    and the count, which every program of this launch is done with: a workspace kept zero
+    between calls (``workspace_targets``)."""
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == n_split - 1:
         v = tl.atomic_add(acc_ptrs, tl.zeros(acc_ptrs.shape, dtype=tl.float32), mask=mask,
@@ -203,6 +208,9 @@ def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.co
         if HAS_B:
             v += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptrs, v.to(out_ptrs.dtype.element_ty), mask=mask)
+        if CLEAN:
+            tl.store(acc_ptrs, tl.zeros(acc_ptrs.shape, dtype=tl.float32), mask=mask)
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
@@ -334,7 +342,26 @@ def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
     tl.store(out_ptr + row * stride_out + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-COUNT_BLOCK = 16  # the smallest BLOCK_D of a reducing kernel: sizes its counters
+
+
+def workspace_targets(workspace: torch.Tensor, n_rows: int, d_out: int, before: int, k: int,
+                      dtype):
+    """``fused_targets`` carved from ``workspace``, a buffer that is zero between calls (the
+    lower pass attaches one to each sparse MLP on CUDA; ``ops.mlp_workspace_numel`` sizes it),
+    so no zero-fill launch runs: the down kernel leaves it zero again (``_down_kernel``'s
+    ``CLEAN``). Returns (earlier, sums, counters, output, the down kernel's [R, k] counters of
+    the programs done reading each neuron tile)."""
+    counters = n_rows * triton.cdiv(d_out, COUNT_BLOCK)
+    need = before + n_rows * d_out + counters + n_rows * k
+    if workspace.dtype != torch.float32 or workspace.dim() != 1 or workspace.numel() < need \
+            or workspace.stride(0) != 1:
+        raise ValueError(f"sparse MLP workspace must be contiguous fp32 [>= {need}], got "
+                         f"{workspace.dtype} {tuple(workspace.shape)}")
+    sums = workspace[before: before + n_rows * d_out].view(n_rows, d_out)
+    start = before + n_rows * d_out
+    return (workspace[:before], sums, workspace[start: start + counters].view(torch.int32),
+            torch.empty(n_rows, d_out, device=workspace.device, dtype=dtype),
+            workspace[start + counters: start + counters + n_rows * k].view(torch.int32))
 
 
 def fused_targets(n_rows: int, d_out: int, before: int, dtype, device, zeroed: bool = True):

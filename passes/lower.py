@@ -54,7 +54,15 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .context import Linear, PassContext, add_constant, fake_mode_of, fake_value, set_val
+from .context import (
+    Linear,
+    PassContext,
+    add_constant,
+    fake_mode_of,
+    fake_value,
+    is_op,
+    set_val,
+)
 from .discover import SDPA_TARGETS
 
 # weight -> (its version counter when re-laid out, the [in, out] copy)
@@ -431,6 +439,35 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
         ctx.counters.add("decode_attention")
 
 
+def mlp_workspaces(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+    """Give each sparse MLP on CUDA with per-row ids a workspace: fp32 zeros, a constant of the
+    graph, that its kernels add into and leave zero again, so the op launches no zero-fill
+    (``kernels/sparse_mlp.py``; a batch's union selection and deterministic mode keep their own
+    buffers, and the CPU reference needs none)."""
+    from dejavu_compile.kernels.ops import mlp_workspace_numel
+
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not is_op(node, "sparse_mlp") or "workspace" in node.kwargs or len(node.args) < 8:
+            continue
+        x, idx, w_up, w2_t = (fake_value(a) if isinstance(a, fx.Node) else a
+                              for a in (node.args[0], node.args[1], node.args[4], node.args[5]))
+        if not all(isinstance(t, torch.Tensor) for t in (x, idx, w2_t)) \
+                or x.device.type != "cuda":
+            continue
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        sizes = (rows, idx.shape[-1], w2_t.shape[1])
+        union = bool(node.args[8]) if len(node.args) > 8 else bool(node.kwargs.get("union"))
+        if not all(isinstance(v, int) and v > 0 for v in sizes) or (union and rows > 1):
+            continue
+        numel = mlp_workspace_numel(*sizes, gated=w_up is not None)
+        with graph.inserting_before(node):
+            workspace = add_constant(gm, ctx, "mlp_workspace", torch.zeros(
+                numel, dtype=torch.float32, device=x.device), fake_mode)
+        node.kwargs = {**node.kwargs, "workspace": workspace}
+        ctx.counters.add("mlp_workspace")
+
+
 def _is_dejavu(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", None) == DEJAVU_NAMESPACE
 
@@ -466,6 +503,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dense_gemv(gm, ctx, fused_from)
     if ctx.options.decode_attention != "never":
         decode_attention(gm, ctx, fake_mode)
+    mlp_workspaces(gm, ctx, fake_mode)
     graph.lint()
     gm.recompile()
     return gm

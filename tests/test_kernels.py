@@ -106,6 +106,54 @@ def test_sparse_mlp_fill_free_up_kernel(dtype, gated, density, batch, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_mlp_workspace_is_left_zero(dtype, gated, density, batch, monkeypatch):
+    """Given a zero workspace (``ops.mlp_workspace_numel``, what the lower pass attaches on
+    CUDA), the op allocates and fills nothing (no zero-fill launch), equals the reference
+    three calls in a row, other ids and inputs in between, and leaves the workspace zero each
+    time; a batch's union and deterministic mode keep their own buffers; a workspace too
+    small is refused."""
+    from dejavu_compile.kernels import ops
+
+    filled = []  # the op's own (zero-filled) buffers
+    real = sparse_mlp._targets
+    monkeypatch.setattr(sparse_mlp, "_targets", lambda *a, **kw: filled.append(1) or real(*a, **kw))
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, gated, density, batch)
+    act = "silu" if gated else "relu"
+    k, d_out = idx.shape[-1], w2_t.shape[1]
+    workspace = torch.zeros(ops.mlp_workspace_numel(batch, k, d_out, gated) + 3, device=DEVICE)
+    for call in range(3):
+        if call == 1:  # another token: other inputs, other neurons
+            x = _rand(batch, 1, x.shape[-1], dtype=dtype, seed=9)
+            idx = torch.flip(idx, [-1]) if k > 1 else (idx + 1) % w1.shape[0]
+        want = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace)
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        assert not workspace.any(), workspace.nonzero().flatten()[:8]
+    assert filled == []
+    if batch > 1:
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union=True,
+                                    workspace=workspace)
+        torch.testing.assert_close(
+            got.double(), _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act, True),
+            **TOL[dtype])
+        assert filled == [1] and not workspace.any()
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    assert len(filled) == 1 + (batch > 1) and not workspace.any()
+    with pytest.raises(ValueError, match="workspace must be"):
+        sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace[:-9])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
 @pytest.mark.parametrize("batch", [1, 3])
