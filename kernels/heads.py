@@ -101,11 +101,12 @@ def _head_proj_store_kernel(
                  reset_to_zero=["out_ptr", "cnt_ptr"])
 @triton.jit
 def _head_out_kernel(
-    # FUSED: the kernel finishes into ``fin_ptr`` (as sparse_mlp._down_kernel)
+    # FUSED: the kernel finishes into ``fin_ptr`` (as sparse_mlp._down_kernel); CLEAN: and
+    # leaves its sums and counters zero (a workspace, ``triton_common.workspace_targets``)
     a_ptr, idx_ptr, w_ptr, out_ptr, fin_ptr, b_ptr, cnt_ptr,
     DOUT, J, HEAD_DIM,
     stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_part,
-    ATOMIC: tl.constexpr, FUSED: tl.constexpr, HAS_B: tl.constexpr,
+    ATOMIC: tl.constexpr, FUSED: tl.constexpr, HAS_B: tl.constexpr, CLEAN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -126,7 +127,7 @@ def _head_out_kernel(
     if FUSED:
         tc.finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
                        b_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
-                       tl.num_programs(1), HAS_B)
+                       tl.num_programs(1), HAS_B, CLEAN)
 
 
 @triton.autotune(configs=union_tile_configs(), key=["D", "J"], reset_to_zero=["out_ptr"])
@@ -233,8 +234,11 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> torch.Tensor:
-    """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d]."""
+def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
+                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d].
+    With per-row ids and atomics, a ``workspace`` (fp32 zeros, ``ops.workspace_numel``) holds
+    the sums and counters, and is given back zero: no zero-fill launch."""
     tc.check_dtype("sparse_head_out", attn, wo_t, b)
     rows = _rows(attn)
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
@@ -242,7 +246,12 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
     fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED
     fin = cnt = None
-    if tc.fuses_finish(det, shared):
+    clean = workspace is not None and tc.fuses_finish(det, shared)
+    if clean:
+        _, sums, cnt, fin, _ = tc.workspace_targets(workspace, rows.shape[0], d_out, 0, 0,
+                                                    attn.dtype)
+        parts = sums[None]
+    elif tc.fuses_finish(det, shared):
         _, sums, cnt, fin = tc.fused_targets(rows.shape[0], d_out, 0, attn.dtype, attn.device)
         parts = sums[None]
     else:
@@ -268,7 +277,7 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> t
                   d_out, j, head_dim,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1),
                   parts.stride(1), parts.stride(0) if det else 0,
-                  ATOMIC=not det, FUSED=fin is not None, HAS_B=b is not None,
+                  ATOMIC=not det, FUSED=fin is not None, HAS_B=b is not None, CLEAN=clean,
                   fixed=fixed if det else None)
     if fin is None:
         fin = tc.finish(tc.total(parts, det), b, attn.dtype)

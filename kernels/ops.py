@@ -21,11 +21,12 @@ _LIB = "dejavu"
 COUNT_BLOCK = 16
 
 
-def mlp_workspace_numel(rows: int, k: int, d_out: int, gated: bool) -> int:
-    """fp32 values of the zero-between-calls workspace of a ``sparse_mlp`` on CUDA with ``rows``
-    rows of ``k`` selected neurons each (``triton_common.workspace_targets``): pre-activations
-    (and up values), the output sums, the counters of the output tiles and of the neuron
-    tiles."""
+def workspace_numel(rows: int, d_out: int, k: int = 0, gated: bool = False) -> int:
+    """fp32 values of the zero-between-calls workspace of a sparse op on CUDA with ``rows``
+    rows and ``d_out`` outputs each (``triton_common.workspace_targets``): for a ``sparse_mlp``
+    of ``k`` selected neurons a row, the pre-activations (and up values when ``gated``), then
+    for either op the output sums, the counters of the output tiles, and for the MLP the
+    counters of the neuron tiles. ``sparse_head_out`` has ``k`` 0."""
     return ((2 if gated else 1) + 1) * rows * k + rows * d_out \
         + rows * -(-d_out // COUNT_BLOCK)
 
@@ -155,7 +156,7 @@ def sparse_mlp(
 ) -> torch.Tensor:
     """MLP over the selected neurons: act(x W1[idx]^T (+b1)) [* x W_up[idx]^T] @ W2_t[idx] (+b2);
     with ``union``, every row over the neurons any row selected (``reference.union_ids``).
-    ``workspace`` (fp32 zeros, ``mlp_workspace_numel``; the lower pass attaches one on CUDA) is
+    ``workspace`` (fp32 zeros, ``workspace_numel``; the lower pass attaches one on CUDA) is
     working memory the CUDA kernels leave zero again, so the op declares no mutation; the
     result is the same without it."""
     return ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union)
@@ -195,14 +196,16 @@ def sparse_head_out(
     b: torch.Tensor | None,
     head_dim: int,
     union: bool = False,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Output projection over the selected heads only (``wo_t`` stored [H * head_dim, d]; with
-    ``union``, the heads any row selected)."""
+    ``union``, the heads any row selected). ``workspace``: as ``sparse_mlp``'s
+    (``workspace_numel`` with ``k`` 0)."""
     return ref.sparse_head_out(attn, idx, wo_t, b, head_dim, union)
 
 
 @sparse_head_out.register_fake
-def _(attn, idx, wo_t, b, head_dim, union=False):
+def _(attn, idx, wo_t, b, head_dim, union=False, workspace=None):
     return attn.new_empty(*attn.shape[:-1], wo_t.shape[1])
 
 

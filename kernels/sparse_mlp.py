@@ -380,7 +380,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     """Triton launcher with the signature of ``torch.ops.dejavu.sparse_mlp``.
 
     x: [..., d] (fp16/bf16/fp32); idx: [..., k] int64; w1, w_up: [N, d]; w2_t: [N, d_out];
-    workspace: None or fp32 zeros (``ops.mlp_workspace_numel``), given back zero: with per-row
+    workspace: None or fp32 zeros (``ops.workspace_numel``), given back zero: with per-row
     ids and atomics the op then launches no zero-fill (two launches, not three); returns
     [..., d_out] in x's dtype.
     """

@@ -347,15 +347,15 @@ def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
 def workspace_targets(workspace: torch.Tensor, n_rows: int, d_out: int, before: int, k: int,
                       dtype):
     """``fused_targets`` carved from ``workspace``, a buffer that is zero between calls (the
-    lower pass attaches one to each sparse MLP on CUDA; ``ops.mlp_workspace_numel`` sizes it),
-    so no zero-fill launch runs: the down kernel leaves it zero again (``_down_kernel``'s
-    ``CLEAN``). Returns (earlier, sums, counters, output, the down kernel's [R, k] counters of
-    the programs done reading each neuron tile)."""
+    lower pass attaches one to each sparse MLP and head-gathered output projection on CUDA;
+    ``ops.workspace_numel`` sizes it), so no zero-fill launch runs: the reducing kernel leaves
+    it zero again (its ``CLEAN``). Returns (earlier, sums, counters, output, the down kernel's
+    [R, k] counters of the programs done reading each neuron tile; ``k`` 0 for none)."""
     counters = n_rows * triton.cdiv(d_out, COUNT_BLOCK)
     need = before + n_rows * d_out + counters + n_rows * k
     if workspace.dtype != torch.float32 or workspace.dim() != 1 or workspace.numel() < need \
             or workspace.stride(0) != 1:
-        raise ValueError(f"sparse MLP workspace must be contiguous fp32 [>= {need}], got "
+        raise ValueError(f"sparse op workspace must be contiguous fp32 [>= {need}], got "
                          f"{workspace.dtype} {tuple(workspace.shape)}")
     sums = workspace[before: before + n_rows * d_out].view(n_rows, d_out)
     start = before + n_rows * d_out

@@ -439,33 +439,41 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
         ctx.counters.add("decode_attention")
 
 
-def mlp_workspaces(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
-    """Give each sparse MLP on CUDA with per-row ids a workspace: fp32 zeros, a constant of the
-    graph, that its kernels add into and leave zero again, so the op launches no zero-fill
-    (``kernels/sparse_mlp.py``; a batch's union selection and deterministic mode keep their own
-    buffers, and the CPU reference needs none)."""
-    from dejavu_compile.kernels.ops import mlp_workspace_numel
+def workspaces(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+    """Give each sparse MLP and head-gathered output projection on CUDA with per-row ids a
+    workspace: fp32 zeros, a constant of the graph, that its kernels add into and leave zero
+    again, so the op launches no zero-fill (``kernels/sparse_mlp.py``, ``kernels/heads.py``; a
+    batch's union selection and deterministic mode keep their own buffers, and the CPU
+    reference needs none)."""
+    from dejavu_compile.kernels.ops import workspace_numel
 
     graph = gm.graph
     for node in list(graph.nodes):
-        if not is_op(node, "sparse_mlp") or "workspace" in node.kwargs or len(node.args) < 8:
+        mlp = is_op(node, "sparse_mlp")
+        if not (mlp or is_op(node, "sparse_head_out")) or "workspace" in node.kwargs:
             continue
-        x, idx, w_up, w2_t = (fake_value(a) if isinstance(a, fx.Node) else a
-                              for a in (node.args[0], node.args[1], node.args[4], node.args[5]))
-        if not all(isinstance(t, torch.Tensor) for t in (x, idx, w2_t)) \
+        # (x, ids, the [N, d_out] weight, the op's union argument, the gated MLP's up weight)
+        at = (0, 1, 5, 8, 4) if mlp else (0, 1, 2, 5, None)
+        if len(node.args) <= at[2]:
+            continue
+        x, idx, w_t = (fake_value(a) if isinstance(a, fx.Node) else a
+                       for a in (node.args[at[0]], node.args[at[1]], node.args[at[2]]))
+        if not all(isinstance(t, torch.Tensor) for t in (x, idx, w_t)) \
                 or x.device.type != "cuda":
             continue
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        sizes = (rows, idx.shape[-1], w2_t.shape[1])
-        union = bool(node.args[8]) if len(node.args) > 8 else bool(node.kwargs.get("union"))
-        if not all(isinstance(v, int) and v > 0 for v in sizes) or (union and rows > 1):
+        union = bool(node.args[at[3]]) if len(node.args) > at[3] \
+            else bool(node.kwargs.get("union"))
+        sizes = (rows, w_t.shape[1], idx.shape[-1] if mlp else 0)
+        if not all(isinstance(v, int) for v in sizes) or rows <= 0 or (union and rows > 1):
             continue
-        numel = mlp_workspace_numel(*sizes, gated=w_up is not None)
+        gated = mlp and node.args[at[4]] is not None
         with graph.inserting_before(node):
-            workspace = add_constant(gm, ctx, "mlp_workspace", torch.zeros(
-                numel, dtype=torch.float32, device=x.device), fake_mode)
+            workspace = add_constant(gm, ctx, "workspace", torch.zeros(
+                workspace_numel(*sizes, gated=gated), dtype=torch.float32, device=x.device),
+                fake_mode)
         node.kwargs = {**node.kwargs, "workspace": workspace}
-        ctx.counters.add("mlp_workspace")
+        ctx.counters.add("workspace[mlp]" if mlp else "workspace[attention]")
 
 
 def _is_dejavu(node: fx.Node) -> bool:
@@ -503,7 +511,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dense_gemv(gm, ctx, fused_from)
     if ctx.options.decode_attention != "never":
         decode_attention(gm, ctx, fake_mode)
-    mlp_workspaces(gm, ctx, fake_mode)
+    workspaces(gm, ctx, fake_mode)
     graph.lint()
     gm.recompile()
     return gm

@@ -130,7 +130,7 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     # every decode attention the pass made on CUDA merges its chunks in one launch, and the
     # sparse MLPs of the default step run on a workspace left zero (no zero-fill launch)
     assert counters["decode_attention_merged"] == counters["decode_attention"], counters
-    assert counters["mlp_workspace"] > 0, counters
+    assert counters["workspace[mlp]"] > 0, counters
     scale = results["default"].abs().max().item()
     torch.testing.assert_close(results["variants"], results["default"], atol=2e-2 * scale,
                                rtol=2e-2)

@@ -110,7 +110,7 @@ def test_sparse_mlp_fill_free_up_kernel(dtype, gated, density, batch, monkeypatc
 @pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_sparse_mlp_workspace_is_left_zero(dtype, gated, density, batch, monkeypatch):
-    """Given a zero workspace (``ops.mlp_workspace_numel``, what the lower pass attaches on
+    """Given a zero workspace (``ops.workspace_numel``, what the lower pass attaches on
     CUDA), the op allocates and fills nothing (no zero-fill launch), equals the reference
     three calls in a row, other ids and inputs in between, and leaves the workspace zero each
     time; a batch's union and deterministic mode keep their own buffers; a workspace too
@@ -123,7 +123,7 @@ def test_sparse_mlp_workspace_is_left_zero(dtype, gated, density, batch, monkeyp
     x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, gated, density, batch)
     act = "silu" if gated else "relu"
     k, d_out = idx.shape[-1], w2_t.shape[1]
-    workspace = torch.zeros(ops.mlp_workspace_numel(batch, k, d_out, gated) + 3, device=DEVICE)
+    workspace = torch.zeros(ops.workspace_numel(batch, d_out, k, gated) + 3, device=DEVICE)
     for call in range(3):
         if call == 1:  # another token: other inputs, other neurons
             x = _rand(batch, 1, x.shape[-1], dtype=dtype, seed=9)
@@ -191,6 +191,15 @@ def test_head_kernels(dtype, n_heads, head_dim, k, bias, batch):
     want = _ref64(ref.sparse_head_out, attn, idx, wo_t, bo, head_dim)
     got = heads.sparse_head_out(attn, idx, wo_t, bo, head_dim)
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    # on a workspace of zeros (what the lower pass attaches on CUDA): the same, twice, and the
+    # workspace given back zero
+    from dejavu_compile.kernels import ops
+
+    workspace = torch.zeros(ops.workspace_numel(batch, d) + 2, device=DEVICE)
+    for _ in range(2):
+        got = heads.sparse_head_out(attn, idx, wo_t, bo, head_dim, workspace=workspace)
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        assert not workspace.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
