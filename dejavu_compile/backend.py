@@ -68,8 +68,8 @@ def _dump(folder: Path, number: int, step: int, name: str, gm: fx.GraphModule) -
 
 def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
     """Inductor's config for the rewritten graph: CUDA graphs when asked, and no
-    ``reorder_for_locality``. That post-grad pass moves each producer right before its first
-    consumer:
+    ``reorder_for_locality`` unless asked (``DejavuOptions.reorder_for_locality``). That
+    post-grad pass moves each producer right before its first consumer:
     - it put every predictor the lookahead pass moved a layer ahead back beside the sparse op
       that reads its selection, so a side stream had nothing to overlap;
     - in Inductor's code for a CPU graph of a 4-layer Llama it also split the rotary embedding
@@ -77,7 +77,7 @@ def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
       step with the pass, 45 without (inline predictors; 55 and 45 with lookahead).
     Not yet measured on a GPU."""
     patches: dict[str, Any] = {"triton.cudagraphs": True} if opts.cudagraphs else {}
-    patches["reorder_for_locality"] = False
+    patches["reorder_for_locality"] = opts.reorder_for_locality
     return patches
 
 

@@ -533,7 +533,7 @@ def weight_bytes(model) -> int:
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
-         "dejavu_store")
+         "dejavu_store", "dejavu_reorder")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -558,6 +558,8 @@ _DEJAVU_MODES = {
     # dejavu_sparse with the row-storing up and query-projection kernels
     # (triton_common.STORE_ROWS_ENV)
     "dejavu_store": (True, False, BUCKET_UNITS, {}),
+    # dejavu_sparse with Inductor's reorder_for_locality on (its default; the backend's is off)
+    "dejavu_reorder": (True, False, BUCKET_UNITS, {"reorder_for_locality": True}),
 }
 
 

@@ -87,6 +87,10 @@ class DejavuOptions:
         that reads each KV head once for its group of query heads (``kernels/
         decode_attention.py``): ``"cuda"`` (on CUDA tensors; on CPU SDPA stays), ``"always"``
         (on CPU too, through the op's PyTorch reference) or ``"never"``.
+    reorder_for_locality: run Inductor's post-grad ``reorder_for_locality`` on the rewritten
+        graph (Inductor's default). Off by default: it moves each producer right before its
+        first consumer, which puts every lookahead predictor back beside the sparse op that
+        reads it (``backend.inductor_patches``); on, it is there to compare.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -108,6 +112,7 @@ class DejavuOptions:
     fold_predictors: bool = False
     dense_gemv: bool = False
     decode_attention: str = DEFAULT_DECODE_ATTENTION
+    reorder_for_locality: bool = False
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
