@@ -737,10 +737,9 @@ def kv_sweep(name: str, cfg, contexts=KV_CONTEXTS, kv_keep: float = 0.3, steps: 
             use_decode_attention(model)
         profile = random_profile(model, mlp, att, rank, workdir / f"{name}-kv-{pipeline}.yaml")
         # SDPA stays SDPA for attention="sdpa" (the backend's pass would otherwise take it)
+        keep_sdpa = {} if attention == "dejavu" else {"decode_attention": "never"}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={"profile": profile, "cudagraphs": True,
-                                     "decode_attention": "cuda" if attention == "dejavu"
-                                     else "never"})
+                            options={"profile": profile, "cudagraphs": True, **keep_sdpa})
         pipelines[pipeline] = (model, fwd)
     # (mode, pipeline, cache tokens at context n)
     modes = (("dense", "dense", lambda n: n), ("kv", "dense", lambda n: max(2, round(kv_keep * n))),

@@ -247,12 +247,13 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED
     fin = cnt = None
     clean = workspace is not None and tc.fuses_finish(det, shared)
-    if clean:
-        _, sums, cnt, fin, _ = tc.workspace_targets(workspace, rows.shape[0], d_out, 0, 0,
-                                                    attn.dtype)
-        parts = sums[None]
-    elif tc.fuses_finish(det, shared):
-        _, sums, cnt, fin = tc.fused_targets(rows.shape[0], d_out, 0, attn.dtype, attn.device)
+    if tc.fuses_finish(det, shared):
+        if clean:
+            _, sums, cnt, fin, _ = tc.workspace_targets(workspace, rows.shape[0], d_out, 0, 0,
+                                                        attn.dtype)
+        else:
+            _, sums, cnt, fin = tc.fused_targets(rows.shape[0], d_out, 0, attn.dtype,
+                                                 attn.device)
         parts = sums[None]
     else:
         parts = tc.partials(det, tc.reduce_slots(j, fixed), rows.shape[0], d_out,

@@ -302,23 +302,32 @@ def _down_union_kernel(
 
 
 def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device, dtype,
-             zero_pre: bool = False, union: bool = False):
+             zero_pre: bool = False, union: bool = False, workspace: torch.Tensor | None = None):
     """fp32 targets of the partial sums (``triton_common.partials``), pre-activations
     [S, n_pre, R, k] and output [S', R, d_out]; with atomics both share one zeroed buffer (one
     launch), and with per-row ids the down kernel's counters too, and the op's output
     [R, d_out] in ``dtype`` that it finishes itself (``triton_common.finish_last``; otherwise
-    None). Returns (pre, out, counters or None, output or None)."""
+    None). With per-row ids and atomics, a ``workspace`` kept zero between calls holds them
+    instead (no launch), with the down kernel's counters of its readers of each neuron tile
+    (``triton_common.workspace_targets``). Returns (pre, out, counters or None, output or None,
+    those readers' counters or None)."""
     if not det:
         if fuses_finish(det, union):
-            pre, out, cnt, fin = fused_targets(n_rows, d_out, n_pre * n_rows * k, dtype, device)
-            return pre.view(1, n_pre, n_rows, k), out[None], cnt, fin
+            before, clean = n_pre * n_rows * k, None
+            if workspace is None:
+                pre, out, cnt, fin = fused_targets(n_rows, d_out, before, dtype, device)
+            else:
+                pre, out, cnt, fin, clean = workspace_targets(workspace, n_rows, d_out, before,
+                                                              k, dtype)
+            return pre.view(1, n_pre, n_rows, k), out[None], cnt, fin, clean
         buf = torch.zeros(n_pre * n_rows * k + n_rows * d_out, device=device, dtype=torch.float32)
         return (buf[: n_pre * n_rows * k].view(1, n_pre, n_rows, k),
-                buf[n_pre * n_rows * k:].view(1, n_rows, d_out), None, None)
+                buf[n_pre * n_rows * k:].view(1, n_rows, d_out), None, None, None)
     reduce = UNION_REDUCE_FIXED if union else REDUCE_FIXED
     tile = UNION_TILE_FIXED if union else TILE_LOOP_FIXED
     return (partials(True, tile_slots(d, tile), n_pre, n_rows, k, device=device, zero=zero_pre),
-            partials(True, reduce_slots(k, reduce), n_rows, d_out, device=device), None, None)
+            partials(True, reduce_slots(k, reduce), n_rows, d_out, device=device), None, None,
+            None)
 
 
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
@@ -405,14 +414,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
                (w_up if gated else w1).stride(0), pre.stride(1), GATED=gated)
         _launch_down(pre, sel, b1, w2_t, out[None], act, gated, det, fin, b2, cnt)
         return fin.reshape(*x.shape[:-1], d_out)
-    n_pre, clean = 2 if gated else 1, None
-    if workspace is not None and fuses_finish(det, union_ids):
-        pre, out, cnt, fin, clean = workspace_targets(workspace, n_rows, d_out,
-                                                      n_pre * n_rows * k, k, x.dtype)
-        pre, out = pre.view(1, n_pre, n_rows, k), out[None]
-    else:
-        pre, out, cnt, fin = _targets(det, n_pre, n_rows, k, d, d_out, x.device, x.dtype,
-                                      union=union_ids)
+    pre, out, cnt, fin, clean = _targets(det, 2 if gated else 1, n_rows, k, d, d_out, x.device,
+                                         x.dtype, union=union_ids, workspace=workspace)
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean)
     if fin is None:
@@ -437,7 +440,7 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -
     sel = selection(idx, n_rows, w_up.shape[0], union)
     k = sel.shape[1]
     # the gate's slots after the first stay zero, so the ordered sum keeps the gathered values
-    pre, out, cnt, fin = _targets(det, 2, n_rows, k, d, d_out, x.device, x.dtype, zero_pre=det,
+    pre, out, cnt, fin, _ = _targets(det, 2, n_rows, k, d, d_out, x.device, x.dtype, zero_pre=det,
                                   union=shared(sel, n_rows))
     # the gate of each row at the ids (padding reads unit 0; the kernels skip it)
     torch.gather(g.reshape(n_rows, -1).float(), 1, sel.clamp_min(0).expand(n_rows, -1),

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import COUNT_BLOCK
+from .ops import COUNT_BLOCK, workspace_numel
 
 try:  # programmatic dependent launch (Hopper and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -342,6 +342,15 @@ def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
     tl.store(out_ptr + row * stride_out + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _carve(buf: torch.Tensor, n_rows: int, d_out: int, before: int, dtype):
+    """(earlier, sums, counters, output) of ``fused_targets`` laid out at the start of the fp32
+    ``buf``: ``before`` values, the [R, d_out] sums, the [R, d_out / COUNT_BLOCK] counters
+    (int32); the output is a new [R, d_out] tensor in ``dtype``."""
+    start = before + n_rows * d_out
+    counters = n_rows * triton.cdiv(d_out, COUNT_BLOCK)
+    return (buf[:before], buf[before:start].view(n_rows, d_out),
+            buf[start: start + counters].view(torch.int32),
+            torch.empty(n_rows, d_out, device=buf.device, dtype=dtype))
 
 
 def workspace_targets(workspace: torch.Tensor, n_rows: int, d_out: int, before: int, k: int,
@@ -351,17 +360,13 @@ def workspace_targets(workspace: torch.Tensor, n_rows: int, d_out: int, before: 
     ``ops.workspace_numel`` sizes it), so no zero-fill launch runs: the reducing kernel leaves
     it zero again (its ``CLEAN``). Returns (earlier, sums, counters, output, the down kernel's
     [R, k] counters of the programs done reading each neuron tile; ``k`` 0 for none)."""
-    counters = n_rows * triton.cdiv(d_out, COUNT_BLOCK)
-    need = before + n_rows * d_out + counters + n_rows * k
+    need = before + n_rows * k + workspace_numel(n_rows, d_out)
     if workspace.dtype != torch.float32 or workspace.dim() != 1 or workspace.numel() < need \
             or workspace.stride(0) != 1:
         raise ValueError(f"sparse op workspace must be contiguous fp32 [>= {need}], got "
                          f"{workspace.dtype} {tuple(workspace.shape)}")
-    sums = workspace[before: before + n_rows * d_out].view(n_rows, d_out)
-    start = before + n_rows * d_out
-    return (workspace[:before], sums, workspace[start: start + counters].view(torch.int32),
-            torch.empty(n_rows, d_out, device=workspace.device, dtype=dtype),
-            workspace[start + counters: start + counters + n_rows * k].view(torch.int32))
+    clean = workspace[need - n_rows * k: need].view(torch.int32)
+    return (*_carve(workspace, n_rows, d_out, before, dtype), clean)
 
 
 def fused_targets(n_rows: int, d_out: int, before: int, dtype, device, zeroed: bool = True):
@@ -371,12 +376,9 @@ def fused_targets(n_rows: int, d_out: int, before: int, dtype, device, zeroed: b
     and the op's output [R, d_out] in ``dtype``. Returns (earlier, sums, counters, output).
     With ``zeroed`` false the buffer is left as allocated (no launch): the earlier kernel
     stores its values and zeroes the sums and counters itself (``zero_share``)."""
-    counters = n_rows * triton.cdiv(d_out, COUNT_BLOCK)
-    buf = (torch.zeros if zeroed else torch.empty)(before + n_rows * d_out + counters,
-                                                   device=device, dtype=torch.float32)
-    sums = buf[before: before + n_rows * d_out].view(n_rows, d_out)
-    return (buf[:before], sums, buf[before + n_rows * d_out:].view(torch.int32),
-            torch.empty(n_rows, d_out, device=device, dtype=dtype))
+    size = before + workspace_numel(n_rows, d_out)
+    buf = (torch.zeros if zeroed else torch.empty)(size, device=device, dtype=torch.float32)
+    return _carve(buf, n_rows, d_out, before, dtype)
 
 
 @triton.jit

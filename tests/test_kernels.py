@@ -117,13 +117,20 @@ def test_sparse_mlp_workspace_is_left_zero(dtype, gated, density, batch, monkeyp
     small is refused."""
     from dejavu_compile.kernels import ops
 
-    filled = []  # the op's own (zero-filled) buffers
-    real = sparse_mlp._targets
-    monkeypatch.setattr(sparse_mlp, "_targets", lambda *a, **kw: filled.append(1) or real(*a, **kw))
     x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, gated, density, batch)
     act = "silu" if gated else "relu"
     k, d_out = idx.shape[-1], w2_t.shape[1]
     workspace = torch.zeros(ops.workspace_numel(batch, d_out, k, gated) + 3, device=DEVICE)
+    filled = []  # the op's own (zero-filled) buffers: targets outside the workspace
+    real = sparse_mlp._targets
+
+    def targets(*args, **kwargs):
+        got = real(*args, **kwargs)
+        if got[0].untyped_storage().data_ptr() != workspace.untyped_storage().data_ptr():
+            filled.append(1)
+        return got
+
+    monkeypatch.setattr(sparse_mlp, "_targets", targets)
     for call in range(3):
         if call == 1:  # another token: other inputs, other neurons
             x = _rand(batch, 1, x.shape[-1], dtype=dtype, seed=9)
