@@ -7,8 +7,8 @@ programs run at once (the cache of one head is too long a stream for one program
 1. ``_split_kernel``: program (batch * kv head, chunk) loads the group's query heads (padded to
    16 rows, so the products are tensor-core dots) and walks its chunk of keys and values in
    blocks with an online softmax; it writes its unnormalised output, running maximum and sum.
-2. ``_combine_kernel``: program (batch * query head) rescales the chunks to a common maximum and
-   sums them.
+2. ``_combine_kernel``: program (batch * KV head) rescales the chunks to a common maximum and
+   sums them, for each of the group's query heads (``_merge_chunks``).
 
 Given ``counters`` (int32, one per batch x KV head, zero between calls: the lower pass attaches
 them to each call it makes), the split kernel merges the chunks itself and step 2 is not
@@ -89,6 +89,7 @@ def _split_kernel(
     HAS_MASK: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
     IEEE: tl.constexpr,  # dots in fp32 (``_fp32_dots``)
     MERGE: tl.constexpr,  # the last program of each KV head merges its chunks (``cnt_ptr``)
+    GR: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's rows and chunks at once
 ):
     bh, chunk = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
@@ -146,53 +147,65 @@ def _split_kernel(
         # (its acquire) before its loads, which read the other programs' partials from L2
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == splits - 1:
-            base = bh * splits
-            m_all = tl.full([GP], float("-inf"), tl.float32)
-            for s in range(splits):
-                m_all = tl.maximum(m_all, tl.load(m_ptr + (base + s) * GP + rows, mask=mask_g,
-                                                  other=float("-inf"), cache_modifier=".cg"))
-            num = tl.zeros([GP, BLOCK_D], tl.float32)
-            den = tl.zeros([GP], tl.float32)
-            for s in range(splits):
-                m_s = tl.load(m_ptr + (base + s) * GP + rows, mask=mask_g, other=float("-inf"),
-                              cache_modifier=".cg")
-                w = tl.where(m_s > float("-inf"), tl.exp(m_s - m_all), 0.0)
-                o_s = tl.load(o_ptr + ((base + s) * GP + rows[:, None]) * BLOCK_D
-                              + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :],
-                              other=0.0, cache_modifier=".cg")
-                num += o_s * w[:, None]
-                den += tl.load(l_ptr + (base + s) * GP + rows, mask=mask_g, other=0.0,
-                               cache_modifier=".cg") * w
-            tl.store(out_ptr + b * so_b + (kvh * G + rows[:, None]) * so_h + offs_d[None, :],
-                     (num / den[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=mask_g[:, None] & mask_d[None, :])
+            _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, bh, splits, G, kvh * G, D,
+                          so_h, GP, GR, BLOCK_D, BLOCK_S)
             tl.atomic_xchg(cnt_ptr + bh, 0)  # zero again for the next call
+
+
+@triton.jit
+def _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr, bh, splits, G, h0, D, so_h,
+                  GP: tl.constexpr, GR: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """Rescale the ``splits`` chunks of KV head ``bh`` to a common maximum and sum them into
+    the output rows of query heads ``h0 .. h0 + G - 1``. The chunks are loaded ``BLOCK_S`` at a
+    time, every row of the group at once ([BLOCK_S, GR, BLOCK_D]), so a short cache takes one
+    round trip to L2: a loop over the chunks one at a time made the split kernel 3x slower on
+    an H200 (104 -> 317 us a Llama-3-8B step, BENCHMARKS.md, tenth session)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    rows = tl.arange(0, GR)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g, mask_d = rows < G, offs_d < D
+    m_run = tl.full([GR], float("-inf"), tl.float32)
+    num = tl.zeros([GR, BLOCK_D], tl.float32)
+    den = tl.zeros([GR], tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        mask = ((s0 + offs_s) < splits)[:, None] & mask_g[None, :]
+        part = (bh * splits + s0 + offs_s[:, None]) * GP + rows[None, :]  # [BLOCK_S, GR]
+        m_s = tl.load(m_ptr + part, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(l_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+        o_s = tl.load(o_ptr + part[:, :, None] * BLOCK_D + offs_d[None, None, :],
+                      mask=mask[:, :, None] & mask_d[None, None, :], other=0.0,
+                      cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet
+        alpha = tl.exp(m_run - m_safe)
+        w = tl.where(m_s > float("-inf"), tl.exp(m_s - m_safe[None, :]), 0.0)
+        num = num * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
+        den = den * alpha + tl.sum(l_s * w, 0)
+        m_run = m_new
+    tl.store(out_ptr + (h0 + rows[:, None]) * so_h + offs_d[None, :],
+             (num / den[:, None]).to(out_ptr.dtype.element_ty),
+             mask=mask_g[:, None] & mask_d[None, :])
 
 
 @triton.jit
 def _combine_kernel(
     o_ptr, m_ptr, l_ptr, out_ptr,
     G, D, KVH, SPLITS, so_b, so_h,
-    GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    GP: tl.constexpr, GR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    bhq = tl.program_id(0)
-    H = KVH * G
-    b, h = bhq // H, bhq % H
-    kvh, g = h // G, h % G
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < SPLITS
-    base = (b * KVH + kvh) * SPLITS
-    m = tl.load(m_ptr + (base + offs_s) * GP + g, mask=mask_s, other=float("-inf"))
-    s = tl.load(l_ptr + (base + offs_s) * GP + g, mask=mask_s, other=0.0)
-    m_all = tl.max(m, 0)
-    w = tl.where(mask_s & (m > float("-inf")), tl.exp(m - m_all), 0.0)
-    acc = tl.load(o_ptr + ((base + offs_s[:, None]) * GP + g) * BLOCK_D + offs_d[None, :],
-                  mask=mask_s[:, None] & (offs_d < D)[None, :], other=0.0)
-    num = tl.sum(acc * w[:, None], 0)
-    den = tl.sum(s * w, 0)
-    tl.store(out_ptr + b * so_b + h * so_h + offs_d, (num / den).to(out_ptr.dtype.element_ty),
-             mask=offs_d < D)
+    bh = tl.program_id(0)  # batch x KV head: the split kernel's merge, as a launch of its own
+    _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + (bh // KVH) * so_b, bh, SPLITS, G,
+                  (bh % KVH) * G, D, so_h, GP, GR, BLOCK_D, BLOCK_S)
+
+
+# fp32 partials ``_merge_chunks`` holds at once: 64 registers a thread at 4 warps
+MERGE_VALUES = 8192
+
+
+def merge_block(splits: int, group: int, block_d: int) -> int:
+    """Chunks ``_merge_chunks`` loads at once: all of them, up to ``MERGE_VALUES`` values."""
+    return max(1, min(triton.next_power_of_2(splits), MERGE_VALUES // (group * block_d)))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -214,7 +227,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     g = h // kvh
     gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
+    gr = triton.next_power_of_2(g)
     chunk, splits = chunking(b * kvh, length)
+    block_s = merge_block(splits, gr, block_d)
     part_o = torch.empty(b * kvh * splits * gp * block_d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -232,12 +247,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
         out.stride(0), out.stride(1),
         HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, IEEE=_fp32_dots(k.dtype), MERGE=merge,
+        GR=gr, BLOCK_S=block_s,
     )
     if merge:
         return out
-    _combine_kernel[(b * h,)](
+    _combine_kernel[(b * kvh,)](
         part_o, part_m, part_l, out,
         g, d, kvh, splits, out.stride(0), out.stride(1),
-        GP=gp, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        GP=gp, GR=gr, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
     )
     return out

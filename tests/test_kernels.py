@@ -452,6 +452,24 @@ def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim
                                _ref64(ref.decode_attention, q, k, v, scale), **TOL[dtype])
 
 
+def test_decode_attention_merges_chunks_in_blocks(monkeypatch):
+    """A long cache's chunks are merged a few at a time (here 2, so 300 keys take 10 rounds of
+    the merge's loop), with an online rescale; the first rounds see only masked keys."""
+    monkeypatch.setattr(decode_attention, "MERGE_VALUES", 2 * 2 * 16)
+    _, splits = decode_attention.chunking(2, 300)
+    assert decode_attention.merge_block(splits, 2, 16) == 2 < splits
+    f16 = torch.float16
+    q = _rand(1, 4, 1, 16, dtype=f16, seed=0) * 4
+    k, v = _rand(1, 2, 300, 16, dtype=f16, seed=1) * 4, _rand(1, 2, 300, 16, dtype=f16, seed=2)
+    mask = torch.ones(1, 300, dtype=torch.bool, device=DEVICE)
+    mask[:, :200] = False
+    counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    for m, c in itertools.product((None, mask), (None, counters)):
+        torch.testing.assert_close(decode_attention.decode_attention(q, k, v, 0.25, m, c).double(),
+                                   _ref64(ref.decode_attention, q, k, v, 0.25, m), **TOL[f16])
+    assert not counters.any()
+
+
 def test_decode_attention_splits_fill_the_gpu():
     assert decode_attention.splits_for(8, 131072) * 8 >= decode_attention.PROGRAMS
     assert decode_attention.splits_for(8, 1) == 1
