@@ -306,6 +306,8 @@ class DecodeResult:
     # kernel start to its last kernel end, the time in it with no kernel running and with two
     # or more at once, the streams that ran kernels)
     gpu_timeline: dict | None = None
+    # with --breakdown: ``_host_breakdown`` of as many steps again, profiled on the host
+    host_breakdown: list[dict] | None = None
 
 
 PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
@@ -350,6 +352,26 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
     streams = {getattr(ev, "device_resource_id", None) for ev in kernels}
     return {"span_ms": statistics.median(span) / 1e3, "idle_ms": statistics.median(idle) / 1e3,
             "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams)}
+
+
+def _host_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
+    """The host's time per decode step in a finished profiler run (CPU activity) over ``steps``
+    steps, by event: its own time (``self``, not counting the events inside it; a compiled
+    region's own time is its Python, guards and wrappers) and its time with the events inside
+    it (``total``), by own time, largest first; a last row totals the own times. Where the time
+    of dejavu's host goes at Llama-3-8B's shapes, which the Python path at small shapes does not
+    explain (BENCHMARKS.md, ninth and tenth sessions)."""
+    from torch.autograd import DeviceType
+
+    rows = [{"event": ev.key[:90], "self_us_per_step": ev.self_cpu_time_total / steps,
+             "total_us_per_step": ev.cpu_time_total / steps, "calls_per_step": ev.count / steps}
+            for ev in prof.key_averages() if ev.device_type == DeviceType.CPU]
+    rows.sort(key=lambda r: -r["self_us_per_step"])
+    total = {"event": "(all events)",
+             "self_us_per_step": sum(r["self_us_per_step"] for r in rows),
+             "total_us_per_step": None,
+             "calls_per_step": sum(r["calls_per_step"] for r in rows)}
+    return rows[:top] + [total]
 
 
 def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
@@ -456,17 +478,25 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
 
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
-    times, host, prof = [], [], None
-    extra = PROFILED_STEPS if breakdown else 0
+    times, host, prof, host_prof = [], [], None, None
+    # the profiled steps follow the timed ones: PROFILED_STEPS for the GPU's kernels, then as
+    # many for the host's events (profiling the host slows it, so not in the same steps)
+    extra = 2 * PROFILED_STEPS if breakdown else 0
     for rep in range(warmup + 1):
         cache, mask = _prefilled(model, ids, prompt + new + extra + 1)
         tok = ids[:, -1:]
         torch.cuda.synchronize()
         steps, calls = [], []
         for i in range(new + extra if rep == warmup else 4):
-            if rep == warmup and i == new and breakdown:  # the profiled steps follow the timed
+            if rep == warmup and i == new and breakdown:
                 prof = profile(activities=[ProfilerActivity.CUDA])
                 prof.start()
+            if rep == warmup and i == new + PROFILED_STEPS and breakdown:
+                prof.stop()
+                # CUDA too: the runtime's calls (graph and kernel launches, copies) are recorded
+                # with it
+                host_prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                host_prof.start()
             start = time.perf_counter()
             pos = torch.tensor([prompt + i], device="cuda")
             out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
@@ -477,15 +507,16 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
             steps.append(1e3 * (time.perf_counter() - start))
             calls.append(1e3 * (launched - start))
         times, host = steps[:new], calls[:new]
-    if prof is not None:
-        prof.stop()
+    if host_prof is not None:
+        host_prof.stop()
     pipelined = _pipelined_ms(model, forward, ids, new, prompt + new + extra + 1)
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
     timeline = _gpu_timeline(prof, PROFILED_STEPS) if prof is not None else None
+    host_events = _host_breakdown(host_prof, PROFILED_STEPS) if host_prof is not None else None
     return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
-                        kernels, statistics.median(host), pipelined, timeline)
+                        kernels, statistics.median(host), pipelined, timeline, host_events)
 
 
 # untimed steps of the pipelined loop on its cache before the timed ones: a cache at new
@@ -847,6 +878,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                     row["breakdown"] = res.breakdown
                     if res.gpu_timeline is not None:
                         row.update({f"gpu_{k}": v for k, v in res.gpu_timeline.items()})
+                if res.host_breakdown is not None:
+                    row["host_breakdown"] = res.host_breakdown
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
     if out_json:
@@ -927,7 +960,20 @@ def _breakdown_markdown(r: dict) -> list[str]:
     for k in r["breakdown"]:
         name = k["kernel"].replace("|", "/")
         lines.append(f"| `{name}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.0f} |")
-    return lines + [""]
+    lines.append("")
+    if r.get("host_breakdown"):
+        lines += [f"Host time per decode step, {r['model']} {r['mode']} (torch.profiler with CPU "
+                  f"activity, over {PROFILED_STEPS} more steps; the profiler slows the host):",
+                  "", "| event | own us per step | us per step with the events inside | "
+                  "calls per step |", "| --- | --- | --- | --- |"]
+        for e in r["host_breakdown"]:
+            name = e["event"].replace("|", "/")
+            total = e["total_us_per_step"]
+            lines.append(f"| `{name}` | {e['self_us_per_step']:.1f} | "
+                         f"{'' if total is None else f'{total:.1f}'} | "
+                         f"{e['calls_per_step']:.0f} |")
+        lines.append("")
+    return lines
 
 
 _KV_KERNEL = {"dejavu": "split-K `dejavu::decode_attention` kernel", "sdpa": "SDPA call"}

@@ -69,6 +69,26 @@ def test_kernel_breakdown_sums_per_step():
     assert rows[-1]["us_per_step"] == 11.0 and rows[-1]["calls_per_step"] == 3
 
 
+def test_host_breakdown_sums_per_step():
+    """Host events by their own time per step, largest first, GPU events left out; the last row
+    totals the own times (the times with the events inside would count them twice)."""
+    def event(key, own, total, count, device=DeviceType.CPU):
+        return SimpleNamespace(key=key, device_type=device, self_cpu_time_total=own,
+                               cpu_time_total=total, count=count)
+
+    prof = SimpleNamespace(key_averages=lambda: [
+        event("Torch-Compiled Region", 400.0, 2400.0, 8), event("cudaGraphLaunch", 2000.0,
+                                                                 2000.0, 8),
+        event("kernel", 900.0, 900.0, 80, DeviceType.CUDA)])
+    rows = bench._host_breakdown(prof, steps=8)
+    assert [r["event"] for r in rows] == ["cudaGraphLaunch", "Torch-Compiled Region",
+                                          "(all events)"]
+    assert rows[1] == {"event": "Torch-Compiled Region", "self_us_per_step": 50.0,
+                       "total_us_per_step": 300.0, "calls_per_step": 1}
+    assert rows[-1]["self_us_per_step"] == 300.0 and rows[-1]["calls_per_step"] == 2
+    assert rows[-1]["total_us_per_step"] is None
+
+
 def test_gpu_timeline_splits_the_profiled_steps():
     """The host's wait between steps leaves the longest gaps between kernels: each step's span
     is its first start to its last end, even when a step has a gap of its own; inside a step,
@@ -121,7 +141,13 @@ def test_markdown_has_every_section():
                                    {"kernel": "(all kernels)", "us_per_step": 4000.0,
                                     "calls_per_step": 2}],
                      "gpu_span_ms": 4.5, "gpu_idle_ms": 0.75, "gpu_concurrent_ms": 0.125,
-                     "gpu_streams": 2} if mode == "dejavu_topk" else {})}
+                     "gpu_streams": 2,
+                     "host_breakdown": [
+                         {"event": "cudaGraphLaunch", "self_us_per_step": 250.0,
+                          "total_us_per_step": 250.0, "calls_per_step": 1},
+                         {"event": "(all events)", "self_us_per_step": 900.0,
+                          "total_us_per_step": None, "calls_per_step": 40}]}
+                    if mode == "dejavu_topk" else {})}
                 for mode in ("hf_compiled", "dejavu_topk")],
     }
     text = bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
@@ -132,6 +158,10 @@ def test_markdown_has_every_section():
     assert ("last kernel end 4.50 ms a step, of which 0.75 ms with no kernel running and "
             "0.12 ms with two or more at once; kernels on 2 streams") in text
     assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
+    assert "Host time per decode step, m dejavu_topk" in text
+    assert "| `cudaGraphLaunch` | 250.0 | 250.0 | 1 |" in text
+    assert "| `(all events)` | 900.0 |  | 40 |" in text
+    assert text.count("Host time per decode step") == 1  # hf_compiled has no breakdown
 
 
 def test_fold_mode_folds_the_bench_predictors(tiny, tmp_path):
