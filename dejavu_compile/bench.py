@@ -405,6 +405,19 @@ def random_model(cfg, dtype=torch.float16):
     return model.eval()
 
 
+def small_llama(layers: int, device: str = "cuda") -> torch.nn.Module:
+    """A random Llama of small matrices (hidden 1024, 16 query heads over 4 KV heads, vocabulary
+    512) with ``layers`` layers, fp16, in eval mode: a decode step's structure at a size that
+    compiles in a minute (``tests/test_gpu.py``, ``examples/host_study.py``)."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=4096,
+                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                         max_position_embeddings=1024)
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg).to(device, torch.float16).eval()
+
+
 def random_profile(model, mlp_density: float, attention_density: float, rank: int, path,
                    lookahead: bool = False, bucket_units: int = BUCKET_UNITS):
     """A profile with random predictors (speed does not depend on their values); layer 0 dense.

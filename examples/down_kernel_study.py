@@ -115,7 +115,11 @@ def study(name: str, n: int, k: int, dout: int) -> None:
         print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  {what} {extra}", flush=True)
 
 
-if __name__ == "__main__":
+def main() -> None:
     torch.manual_seed(0)
     for shape in SHAPES:
         study(*shape)
+
+
+if __name__ == "__main__":
+    main()

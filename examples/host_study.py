@@ -2,8 +2,8 @@
 model with small matrices (hidden 1024, 32 layers: the layer count of Llama-3-8B), so the
 host's work per step is the same as at full size while compiling takes a minute.
 
-For each of ``hf_compiled`` (``mode="reduce-overhead"``) and ``dejavu_attn`` (MLP density 0.5
-with random predictors, the split-K decode attention, CUDA graphs) it prints the median time
+For each of ``hf_compiled`` (``mode="reduce-overhead"``) and ``dejavu_sparse`` (MLP density 0.5
+with random predictors, CUDA graphs; the lower pass's split-K decode attention) it prints the median time
 until a step's call returns (before waiting for the GPU, as ``dejavu bench``'s host column)
 and a cProfile of 50 steps, by own time and by cumulative time.
 
@@ -22,22 +22,13 @@ import time
 from pathlib import Path
 
 import torch
-import transformers as tf
 
-from dejavu_compile.bench import _prefilled, decode_attention, random_profile
+from dejavu_compile.bench import _prefilled, random_profile, small_llama
 
 PROMPT = 32
 STEPS = 150  # the first TIMED_FROM warm up (compilation, re-layout, recording)
 TIMED_FROM = 20
 PROFILED_FROM = 100
-
-
-def model() -> torch.nn.Module:
-    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=4096,
-                         num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
-                         max_position_embeddings=1024)
-    torch.manual_seed(0)
-    return tf.LlamaForCausalLM(cfg).to("cuda", torch.float16).eval()
 
 
 @torch.no_grad()
@@ -66,7 +57,7 @@ def measure(name: str, net: torch.nn.Module, forward, ids: torch.Tensor) -> None
 
 
 def main() -> None:
-    net = model()
+    net = small_llama(32)  # Llama-3-8B's layer count
     ids = torch.randint(0, 512, (1, PROMPT), device="cuda")
     torch._dynamo.reset()
     measure("hf_compiled", net, torch.compile(net.forward, mode="reduce-overhead",
@@ -75,8 +66,7 @@ def main() -> None:
     profile = random_profile(net, 0.5, 1.0, 64, Path(tempfile.mkdtemp()) / "host.yaml")
     forward = torch.compile(net.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "cudagraphs": True})
-    with decode_attention(net, True):
-        measure("dejavu_attn", net, forward, ids)
+    measure("dejavu_sparse", net, forward, ids)
 
 
 if __name__ == "__main__":

@@ -9,20 +9,11 @@ import pytest
 import torch
 
 import dejavu_compile
+from dejavu_compile import bench
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 STEPS = 200
-
-
-def _model():
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=4096,
-                         num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
-                         max_position_embeddings=1024)
-    torch.manual_seed(0)
-    return tf.LlamaForCausalLM(cfg).to("cuda", torch.float16).eval()
 
 
 @torch.no_grad()
@@ -58,7 +49,7 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
 
     from dejavu_compile.bench import random_profile
 
-    model = _model()
+    model = bench.small_llama(6)
     profile = random_profile(model, 0.25, 0.5, 64, tmp_path / "ahead.yaml", lookahead=True)
     tokens = torch.randint(0, 512, (1, 32 + STEPS), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0))
@@ -111,7 +102,7 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     between the default step with and without CUDA graphs; with fixed units, by 0.0024."""
     from dejavu_compile.bench import kernel_switches, random_profile
 
-    model = _model()
+    model = bench.small_llama(6)
     profile = random_profile(model, 0.25, 0.5, 64, tmp_path / "variants.yaml")
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(1))
