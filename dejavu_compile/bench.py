@@ -311,6 +311,7 @@ class DecodeResult:
 
 
 PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
+BREAKDOWN_ROWS = 12  # kernels and host events a breakdown's table shows (the JSON has them all)
 
 
 def _gpu_timeline(prof, steps: int) -> dict | None:
@@ -354,12 +355,13 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
             "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams)}
 
 
-def _host_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
+def _host_breakdown(prof, steps: int) -> list[dict]:
     """The host's time per decode step in a finished profiler run (CPU activity) over ``steps``
-    steps, by event: its own time (``self``, not counting the events inside it; a compiled
-    region's own time is its Python, guards and wrappers) and its time with the events inside
-    it (``total``), by own time, largest first; a last row totals the own times. Where the time
-    of dejavu's host goes at Llama-3-8B's shapes, which the Python path at small shapes does not
+    steps, by event, every one (the markdown shows the first ``BREAKDOWN_ROWS``): its own time
+    (``self``, not counting the events inside it; a compiled region's own time is its Python,
+    guards and wrappers) and its time with the events inside it (``total``), by own time,
+    largest first; a last row totals the own times. Where the time of dejavu's host goes at
+    Llama-3-8B's shapes, which the Python path at small shapes does not
     explain (BENCHMARKS.md, ninth and tenth sessions)."""
     from torch.autograd import DeviceType
 
@@ -371,12 +373,13 @@ def _host_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
              "self_us_per_step": sum(r["self_us_per_step"] for r in rows),
              "total_us_per_step": None,
              "calls_per_step": sum(r["calls_per_step"] for r in rows)}
-    return rows[:top] + [total]
+    return rows + [total]
 
 
-def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
+def _kernel_breakdown(prof, steps: int) -> list[dict]:
     """GPU time per decode step of each kernel name in a finished profiler run over ``steps``
-    decode steps, largest first; a last row totals every kernel."""
+    decode steps, largest first (every one: the markdown shows the first ``BREAKDOWN_ROWS``); a
+    last row totals every kernel."""
     from torch.autograd import DeviceType
 
     rows = []
@@ -390,7 +393,7 @@ def _kernel_breakdown(prof, steps: int, top: int = 12) -> list[dict]:
     rows.sort(key=lambda r: -r["us_per_step"])
     total = {"kernel": "(all kernels)", "us_per_step": sum(r["us_per_step"] for r in rows),
              "calls_per_step": sum(r["calls_per_step"] for r in rows)}
-    return rows[:top] + [total]
+    return rows + [total]
 
 
 def random_model(cfg, dtype=torch.float16):
@@ -959,6 +962,11 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
     return "\n".join(lines)
 
 
+def _shown(rows: list[dict]) -> list[dict]:
+    """A breakdown's first ``BREAKDOWN_ROWS`` rows and its total (the last row)."""
+    return rows[:-1][:BREAKDOWN_ROWS] + rows[-1:]
+
+
 def _breakdown_markdown(r: dict) -> list[str]:
     span = r.get("gpu_span_ms")
     idle = ""
@@ -970,7 +978,7 @@ def _breakdown_markdown(r: dict) -> list[str]:
     lines = [f"GPU kernel time per decode step, {r['model']} {r['mode']} (torch.profiler over 8 "
              f"steps; wall time {r['ms_per_token']:.2f} ms{idle}):", "",
              "| kernel | us per step | calls per step |", "| --- | --- | --- |"]
-    for k in r["breakdown"]:
+    for k in _shown(r["breakdown"]):
         name = k["kernel"].replace("|", "/")
         lines.append(f"| `{name}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.0f} |")
     lines.append("")
@@ -979,7 +987,7 @@ def _breakdown_markdown(r: dict) -> list[str]:
                   f"activity, over {PROFILED_STEPS} more steps; the profiler slows the host):",
                   "", "| event | own us per step | us per step with the events inside | "
                   "calls per step |", "| --- | --- | --- | --- |"]
-        for e in r["host_breakdown"]:
+        for e in _shown(r["host_breakdown"]):
             name = e["event"].replace("|", "/")
             total = e["total_us_per_step"]
             lines.append(f"| `{name}` | {e['self_us_per_step']:.1f} | "

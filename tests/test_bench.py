@@ -158,6 +158,12 @@ def test_markdown_has_every_section():
     assert ("last kernel end 4.50 ms a step, of which 0.75 ms with no kernel running and "
             "0.12 ms with two or more at once; kernels on 2 streams") in text
     assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
+    # the JSON keeps every kernel, the table the first BREAKDOWN_ROWS and the total
+    many = [{"kernel": f"k{i}", "us_per_step": 100.0 - i, "calls_per_step": 1} for i in range(20)]
+    shown = bench._breakdown_markdown({**result["e2e"][1], "breakdown": many + [
+        {"kernel": "(all kernels)", "us_per_step": 1.0, "calls_per_step": 20}]})
+    assert "| `k11` |" in "\n".join(shown) and "| `k12` |" not in "\n".join(shown)
+    assert "| `(all kernels)` | 1.0 | 20 |" in shown
     assert "Host time per decode step, m dejavu_topk" in text
     assert "| `cudaGraphLaunch` | 250.0 | 250.0 | 1 |" in text
     assert "| `(all events)` | 900.0 |  | 40 |" in text
