@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,9 +22,30 @@ EXPECTED = {
 }
 
 
+@pytest.fixture(scope="module")
+def loads():
+    """Each real model loaded once for this module (reading Gemma 3's GGUF takes over a minute
+    on two cores), and a deep copy of it for each test: the backend rewrites a model in place."""
+    cache = {}
+
+    def fresh(name):
+        if name not in cache:
+            cache[name] = load_model(name)
+        return dataclasses.replace(cache[name], model=copy.deepcopy(cache[name].model))
+
+    return fresh
+
+
 @pytest.fixture(params=sorted(EXPECTED))
-def real(request):
-    return load_model(request.param)
+def real(request, loads):
+    return loads(request.param)
+
+
+def test_a_test_gets_its_own_copy(loads):
+    a, b = loads("smollm2-135m"), loads("smollm2-135m")
+    assert a.model is not b.model and a.tokenizer is b.tokenizer
+    pa, pb = next(a.model.parameters()), next(b.model.parameters())
+    assert pa.data_ptr() != pb.data_ptr() and torch.equal(pa, pb)
 
 
 def test_real_model_discovery_and_exactness(real):
@@ -64,12 +88,12 @@ def test_export_command_on_the_shipped_profile(tmp_path):
     compile((tmp_path / "graph.py").read_text(), "graph.py", "exec")
 
 
-def test_retrieval_harness_on_smollm2():
+def test_retrieval_harness_on_smollm2(loads):
     """The passkey harness on the real model: dense decoding finds the key, a recent-token
     window that holds the needle finds it, and scored selection keeps its budget."""
     from dejavu_compile import kv, retrieval
 
-    loaded = load_model("smollm2-135m")
+    loaded = loads("smollm2-135m")
     trial = retrieval.passkey(loaded, 512, 1.0, seed=7)
     new, _ = kv.generate(loaded.model, trial.ids, retrieval.NEW_TOKENS, "dense")
     assert retrieval.answer_of(loaded, new) == trial.answer
@@ -81,12 +105,12 @@ def test_retrieval_harness_on_smollm2():
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m.yaml", "gemma3-270m.yaml"])
-def test_shipped_profiles_fit_their_models(name):
+def test_shipped_profiles_fit_their_models(name, loads):
     from pathlib import Path
 
     path = Path(__file__).parent.parent / "profiles" / name
     profile = dejavu_compile.load_profile(path)
-    loaded = load_model(profile.model.name)
+    loaded = loads(profile.model.name)
     ids = loaded.encode(documentation_text("held_out"), 16)
     with torch.no_grad():
         dejavu_compile.compile(loaded.model, profile=str(path), inner="eager")
