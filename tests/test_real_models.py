@@ -67,12 +67,15 @@ def test_real_model_discovery_and_exactness(real):
     assert len(rep.unmatched) == 1 and "embed_tokens.weight" in rep.unmatched[0]
 
 
-def test_export_command_on_the_shipped_profile(tmp_path):
+def test_export_command_on_the_shipped_profile(tmp_path, loads, monkeypatch):
     from pathlib import Path
 
     import yaml
 
+    from dejavu_compile import models
     from dejavu_compile.cli import main
+
+    monkeypatch.setattr(models, "load_model", loads)  # the command's load, from the module's
 
     profile = Path(__file__).parent.parent / "profiles" / "smollm2-135m.yaml"
     assert main(["export", "smollm2-135m", "--profile", str(profile), "--out", str(tmp_path),
