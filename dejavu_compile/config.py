@@ -91,6 +91,12 @@ class DejavuOptions:
         graph (Inductor's default). Off by default: it moves each producer right before its
         first consumer, which puts every lookahead predictor back beside the sparse op that
         reads it (``backend.inductor_patches``); on, it is there to compare.
+    workspaces: on CUDA, give each sparse MLP and head-gathered output projection with per-row
+        ids a workspace that its kernels leave zero (a constant of the graph), so it launches
+        no zero-fill. Off, each call zero-fills a buffer of its own, as before ``fa5eef8``: on
+        an H200 the down kernel that leaves its workspace zero ran 70-190 us a step slower than
+        the one it replaced, about what the zero-fills it removes cost (BENCHMARKS.md, tenth
+        session); bench mode ``dejavu_fill`` compares the two in one run.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -113,11 +119,18 @@ class DejavuOptions:
     dense_gemv: bool = False
     decode_attention: str = DEFAULT_DECODE_ATTENTION
     reorder_for_locality: bool = False
+    workspaces: bool = True
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.version != 1:
             raise ValueError(f"unsupported options version {self.version}; this build reads 1")
+        for f in dataclasses.fields(self):  # a switch given as "no" or 0 would read as on or off
+            value = getattr(self, f.name)
+            if f.type in ("bool", "bool | None") and not (
+                    isinstance(value, bool) or (value is None and f.type == "bool | None")):
+                allowed = "True or False" + (" or None" if f.type == "bool | None" else "")
+                raise TypeError(f"option {f.name!r} must be {allowed}, got {value!r}")
         if self.selector is not None and self.selector not in SELECTORS:
             raise ValueError(f"option 'selector' must be one of {SELECTORS}, got {self.selector!r}")
         _check_density("mlp_density", self.mlp_density)

@@ -511,7 +511,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dense_gemv(gm, ctx, fused_from)
     if ctx.options.decode_attention != "never":
         decode_attention(gm, ctx, fake_mode)
-    workspaces(gm, ctx, fake_mode)
+    if ctx.options.workspaces:
+        workspaces(gm, ctx, fake_mode)
     graph.lint()
     gm.recompile()
     return gm

@@ -199,6 +199,7 @@ def test_only_the_sdpa_mode_turns_the_decode_attention_off():
         options = DejavuOptions.from_mapping({"selector": "fixed", "mlp_density": 0.5, **extra})
         want = "never" if mode == "dejavu_sdpa" else DEFAULT_DECODE_ATTENTION
         assert options.decode_attention == want, mode
+        assert options.workspaces == (mode != "dejavu_fill"), mode
 
 
 def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):

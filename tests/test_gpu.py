@@ -93,7 +93,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     kernels, ``dense_gemv``, the split-K decode attention with its mask read in place and its
     chunks merged in the same launch, which the lower pass puts in place of SDPA) gives the
     logits of the step with SDPA and the default kernels, to the tolerance of fp16 sums added
-    in another order.
+    in another order; so does the step with zero-filled buffers instead of the workspaces kept
+    zero (option ``workspaces`` off).
 
     The fixed selector keeps the selection apart from the numerics: with the profile's random
     predictors, sums added in another order flip near-tied units in and out of the top-k, and
@@ -107,7 +108,9 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(1))
     results = {}
-    for run, mode, extra in (("default", "dejavu_sparse", {"decode_attention": "never"}),
+    for run, mode, extra in (("fill", "dejavu_sparse", {"decode_attention": "never",
+                                                        "workspaces": False}),
+                             ("default", "dejavu_sparse", {"decode_attention": "never"}),
                              ("variants", "dejavu_store", {"dense_gemv": True})):
         torch._dynamo.reset()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
@@ -123,8 +126,9 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     assert counters["decode_attention_merged"] == counters["decode_attention"], counters
     assert counters["workspace[mlp]"] > 0, counters
     scale = results["default"].abs().max().item()
-    torch.testing.assert_close(results["variants"], results["default"], atol=2e-2 * scale,
-                               rtol=2e-2)
+    for run in ("variants", "fill"):  # the zero-filled buffers (option workspaces off) too
+        torch.testing.assert_close(results[run], results["default"], atol=2e-2 * scale,
+                                   rtol=2e-2)
 
 
 def test_programmatic_launch_matches_the_reference(monkeypatch):

@@ -204,6 +204,9 @@ def test_profile_for_another_model_is_refused(tiny, tmp_path):
         ({"selector": "oracle", "bogus": 1}, "unknown dejavu option"),
         ({"selector": "oracle", "inner": "tvm"}, "inner"),
         ({"profile": "x.yaml", "mlp_density": 0.5}, "not both"),
+        ({"selector": "oracle", "workspaces": "no"}, "'workspaces' must be True or False, got 'no'"),
+        ({"selector": "oracle", "cudagraphs": 1}, "'cudagraphs' must be True or False"),
+        ({"selector": "oracle", "lookahead": 0}, "'lookahead' must be True or False or None"),
     ],
 )
 def test_bad_options_are_clear(options, message):
