@@ -94,7 +94,7 @@ class DejavuOptions:
     workspaces: on CUDA, give each sparse MLP and head-gathered output projection with per-row
         ids a workspace that its kernels leave zero (a constant of the graph), so it launches
         no zero-fill. Off, each call zero-fills a buffer of its own, as before ``fa5eef8``: on
-        an H200 the down kernel that leaves its workspace zero ran 70-190 us a step slower than
+        an H200 the down kernel that leaves its workspace zero ran 70-200 us a step slower than
         the one it replaced, about what the zero-fills it removes cost (BENCHMARKS.md, tenth
         session); bench mode ``dejavu_fill`` compares the two in one run.
     dump_dir: a folder that receives each graph before and after every pass, as readable
