@@ -580,7 +580,7 @@ def weight_bytes(model) -> int:
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
-         "dejavu_store", "dejavu_reorder", "dejavu_fill")
+         "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_combine")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -609,6 +609,8 @@ _DEJAVU_MODES = {
     "dejavu_reorder": (True, False, BUCKET_UNITS, {"reorder_for_locality": True}),
     # dejavu_sparse with a zero-fill launch per sparse op instead of workspaces kept zero
     "dejavu_fill": (True, False, BUCKET_UNITS, {"workspaces": False}),
+    # dejavu_sparse with the decode attention's chunks merged by a combine launch of their own
+    "dejavu_combine": (True, False, BUCKET_UNITS, {"merge_attention": False}),
 }
 
 

@@ -97,6 +97,12 @@ class DejavuOptions:
         an H200 the down kernel that leaves its workspace zero ran 70-200 us a step slower than
         the one it replaced, about what the zero-fills it removes cost (BENCHMARKS.md, tenth
         session); bench mode ``dejavu_fill`` compares the two in one run.
+    merge_attention: on CUDA, the decode attention's split kernel merges its chunks itself, its
+        last program per KV head doing it on counters the graph keeps zero (one launch a layer);
+        off, a combine kernel is launched after it, as before ``b1dcc65``. On an H200 the
+        merging split kernel took 235-390 us a Llama-3-8B step (BENCHMARKS.md, eleventh
+        session) against 104 + 67 us for the two launches at ``c1348ae``; bench mode
+        ``dejavu_combine`` compares the two in one run.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -120,6 +126,7 @@ class DejavuOptions:
     decode_attention: str = DEFAULT_DECODE_ATTENTION
     reorder_for_locality: bool = False
     workspaces: bool = True
+    merge_attention: bool = True
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -78,9 +78,16 @@ def chunking(batch_heads: int, length: int) -> tuple[int, int]:
     return chunk, triton.cdiv(length, chunk)
 
 
+def _fitting(configs, named_args, **kwargs):
+    """The configs whose key block is no longer than a chunk: a longer one only loads masked
+    keys (at a Llama-3-8B step's 32-key chunks, 64 and 128 were among the candidates)."""
+    return [c for c in configs if c.kwargs["BLOCK_L"] <= named_args["CHUNK"]] or configs[:1]
+
+
 # L_BUCKET (the cache length rounded up to a power of two) keys the tuning, so a cache that
 # grows by one position a step does not retune every step
-@triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH", "MERGE"])
+@triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH", "CHUNK", "MERGE"],
+                 prune_configs_by={"early_config_prune": _fitting})
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr,

@@ -421,7 +421,8 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
                 continue
             counters = None
             slots = q_val.shape[0] * k_val.shape[1]
-            if q_val.device.type == "cuda" and isinstance(slots, int):
+            if q_val.device.type == "cuda" and isinstance(slots, int) \
+                    and ctx.options.merge_attention:
                 # the kernel's own counters, zero between calls: it merges its chunks in the
                 # same launch (kernels/decode_attention.py)
                 counters = add_constant(gm, ctx, "attention_counters", torch.zeros(

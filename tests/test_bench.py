@@ -200,6 +200,7 @@ def test_only_the_sdpa_mode_turns_the_decode_attention_off():
         want = "never" if mode == "dejavu_sdpa" else DEFAULT_DECODE_ATTENTION
         assert options.decode_attention == want, mode
         assert options.workspaces == (mode != "dejavu_fill"), mode
+        assert options.merge_attention == (mode != "dejavu_combine"), mode
 
 
 def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):

@@ -490,6 +490,22 @@ def test_decode_attention_splits_fill_the_gpu():
                                           torch.zeros(1, 2, 5, 8), 1.0)
 
 
+def test_decode_attention_tunes_only_blocks_within_a_chunk():
+    """The split kernel's autotuning tries no key block longer than a chunk (its extra keys
+    would only be masked); a chunk shorter than every block keeps the first config."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_L": b}, num_warps=w) for b in (32, 64, 128) for w in (4, 8)]
+
+    def blocks(chunk):
+        return sorted({c.kwargs["BLOCK_L"] for c in decode_attention._fitting(
+            configs, {"CHUNK": chunk})})
+
+    assert blocks(32) == [32]  # a Llama-3-8B step's chunks (8 KV heads, 129-256 keys)
+    assert blocks(128) == [32, 64, 128]
+    assert decode_attention._fitting(configs, {"CHUNK": 16}) == configs[:1]
+
+
 def test_programmatic_launch_is_off_unless_asked(monkeypatch):
     """``DEJAVU_PDL`` unset, or the interpreter, or deterministic mode: plain launches (the
     kernels' ``PDL`` meta-parameter false, no launch option)."""
