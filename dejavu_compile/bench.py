@@ -355,6 +355,26 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
             "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams)}
 
 
+def tuned_configs() -> dict[str, dict[str, str]]:
+    """The config each autotuned kernel of ``dejavu_compile.kernels`` chose so far in this
+    process, by tuning key: kernel name -> {key: config}. The bench's modes share them, and a
+    kernel that ran slower in one run than in another may have tuned otherwise."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.autotuner import Autotuner
+
+    from dejavu_compile import kernels
+
+    out: dict[str, dict[str, str]] = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, Autotuner) and obj.cache:
+                out[f"{info.name}.{name}"] = {str(k): str(c) for k, c in obj.cache.items()}
+    return out
+
+
 def _host_breakdown(prof, steps: int) -> list[dict]:
     """The host's time per decode step in a finished profiler run (CPU activity) over ``steps``
     steps, by event, every one (the markdown shows the first ``BREAKDOWN_ROWS``): its own time
@@ -580,7 +600,7 @@ def weight_bytes(model) -> int:
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
-         "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_combine")
+         "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -609,8 +629,9 @@ _DEJAVU_MODES = {
     "dejavu_reorder": (True, False, BUCKET_UNITS, {"reorder_for_locality": True}),
     # dejavu_sparse with a zero-fill launch per sparse op instead of workspaces kept zero
     "dejavu_fill": (True, False, BUCKET_UNITS, {"workspaces": False}),
-    # dejavu_sparse with the decode attention's chunks merged by a combine launch of their own
-    "dejavu_combine": (True, False, BUCKET_UNITS, {"merge_attention": False}),
+    # dejavu_sparse with the decode attention's chunks merged by its split kernel's last
+    # programs instead of a combine launch of their own
+    "dejavu_merge": (True, False, BUCKET_UNITS, {"merge_attention": True}),
 }
 
 
@@ -900,6 +921,7 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                         row.update({f"gpu_{k}": v for k, v in res.gpu_timeline.items()})
                 if res.host_breakdown is not None:
                     row["host_breakdown"] = res.host_breakdown
+                row["tuned"] = tuned_configs()
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
     if out_json:

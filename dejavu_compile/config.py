@@ -98,11 +98,11 @@ class DejavuOptions:
         the one it replaced, about what the zero-fills it removes cost (BENCHMARKS.md, tenth
         session); bench mode ``dejavu_fill`` compares the two in one run.
     merge_attention: on CUDA, the decode attention's split kernel merges its chunks itself, its
-        last program per KV head doing it on counters the graph keeps zero (one launch a layer);
-        off, a combine kernel is launched after it, as before ``b1dcc65``. On an H200 the
-        merging split kernel took 235-390 us a Llama-3-8B step (BENCHMARKS.md, eleventh
-        session) against 104 + 67 us for the two launches at ``c1348ae``; bench mode
-        ``dejavu_combine`` compares the two in one run.
+        last program per KV head doing it on counters the graph keeps zero (one launch a layer
+        instead of two). Off by default: on an H200 (BENCHMARKS.md, eleventh session, one run
+        at ``f3622db``) the merging split kernel took 337 us a Llama-3-8B step against 103 +
+        114 us for split and combine launches, and the step 5.57 against 5.35 ms (4.54 against
+        4.43 back to back). Bench mode ``dejavu_merge`` turns it on.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -126,7 +126,7 @@ class DejavuOptions:
     decode_attention: str = DEFAULT_DECODE_ATTENTION
     reorder_for_locality: bool = False
     workspaces: bool = True
-    merge_attention: bool = True
+    merge_attention: bool = False
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:

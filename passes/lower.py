@@ -36,9 +36,9 @@ A decode step's attention (an SDPA call with one query token, no dropout, not ca
 boolean or no mask shared by the heads) becomes ``dejavu::decode_attention`` (option
 ``decode_attention``; by default on CUDA): the split-K Triton kernel reads each KV head once for
 its group of query heads, where SDPA reads the keys and values that Hugging Face's ``repeat_kv``
-copied once per query head. The pass takes the keys and values from before that repeat, and on
-CUDA gives each call a buffer of counters (a constant of the graph, zero between calls) with
-which the kernel merges its chunks in the same launch.
+copied once per query head. The pass takes the keys and values from before that repeat. With
+option ``merge_attention`` it gives each call on CUDA a buffer of counters (a constant of the
+graph, zero between calls) with which the kernel merges its chunks in the same launch.
 
 Which implementation runs is chosen by the op's dispatcher from the tensors' device: the
 reference on CPU, the registered Triton kernels on CUDA.

@@ -200,7 +200,22 @@ def test_only_the_sdpa_mode_turns_the_decode_attention_off():
         want = "never" if mode == "dejavu_sdpa" else DEFAULT_DECODE_ATTENTION
         assert options.decode_attention == want, mode
         assert options.workspaces == (mode != "dejavu_fill"), mode
-        assert options.merge_attention == (mode != "dejavu_combine"), mode
+        assert options.merge_attention == (mode == "dejavu_merge"), mode
+
+
+def test_tuned_configs_name_each_kernels_choice(monkeypatch):
+    """The bench records, per mode, the config each autotuned kernel chose for each tuning key
+    (only kernels that tuned: a single-config kernel under the interpreter keeps no cache)."""
+    import triton
+    from dejavu_compile.kernels import decode_attention, sparse_mlp
+
+    choice = triton.Config({"BLOCK_L": 32}, num_warps=4, num_stages=2)
+    monkeypatch.setattr(decode_attention._split_kernel, "cache", {(256, 4, 128): choice})
+    monkeypatch.setattr(sparse_mlp._up_kernel, "cache", {})
+    tuned = bench.tuned_configs()
+    assert tuned["decode_attention._split_kernel"] == {"(256, 4, 128)": str(choice)}
+    assert "sparse_mlp._up_kernel" not in tuned
+    assert "BLOCK_L: 32" in str(choice)
 
 
 def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):

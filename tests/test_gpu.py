@@ -91,11 +91,11 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
 def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
     kernels, ``dense_gemv``, the split-K decode attention with its mask read in place and its
-    chunks merged in the same launch, which the lower pass puts in place of SDPA) gives the
-    logits of the step with SDPA and the default kernels, to the tolerance of fp16 sums added
-    in another order; so does the step with zero-filled buffers instead of the workspaces kept
-    zero and a combine launch after the split kernel (options ``workspaces`` and
-    ``merge_attention`` off).
+    chunks merged in the same launch (option ``merge_attention``), which the lower pass puts in
+    place of SDPA) gives the logits of the step with SDPA and the default kernels, to the
+    tolerance of fp16 sums added in another order; so does the step with zero-filled buffers
+    instead of the workspaces kept zero, and a combine launch after the split kernel (option
+    ``workspaces`` off and ``merge_attention`` at its default, off).
 
     The fixed selector keeps the selection apart from the numerics: with the profile's random
     predictors, sums added in another order flip near-tied units in and out of the top-k, and
@@ -110,10 +110,10 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
                            generator=torch.Generator("cuda").manual_seed(1))
     results = {}
     counts = {}
-    for run, mode, extra in (("fill", "dejavu_sparse", {"workspaces": False,
-                                                        "merge_attention": False}),
+    for run, mode, extra in (("fill", "dejavu_sparse", {"workspaces": False}),
                              ("default", "dejavu_sparse", {"decode_attention": "never"}),
-                             ("variants", "dejavu_store", {"dense_gemv": True})):
+                             ("variants", "dejavu_store", {"dense_gemv": True,
+                                                           "merge_attention": True})):
         torch._dynamo.reset()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "selector": "fixed", "cudagraphs": True,
@@ -124,9 +124,9 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
         counts[run] = dejavu_compile.report(model).counters  # every graph compiled so far
     counters = counts["variants"]
     assert counters["dense_gemv"] > 0 and counters["decode_attention"] > 0, counters
-    # every decode attention the pass made on CUDA merges its chunks in one launch, and the
-    # sparse MLPs of the default step run on a workspace left zero (no zero-fill launch)
-    # (the fill run's with a combine launch of their own)
+    # the variants' decode attentions merge their chunks in one launch (the fill run's with a
+    # combine launch of their own), and the sparse MLPs of the default step run on a
+    # workspace left zero (no zero-fill launch)
     fill = counts["fill"]
     assert fill["decode_attention"] > 0 and "decode_attention_merged" not in fill, fill
     assert counters["decode_attention_merged"] == \
