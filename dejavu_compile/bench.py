@@ -497,11 +497,11 @@ def _prefilled(model, ids: torch.Tensor, length: int):
 
     cache = StaticCache(config=model.config, max_cache_len=length)
     model(input_ids=ids, past_key_values=cache,
-          cache_position=torch.arange(ids.shape[1], device="cuda"), use_cache=True)
+          cache_position=torch.arange(ids.shape[1], device=ids.device), use_cache=True)
     _mark_cache_static(cache)
     # A mask over the whole static cache and explicit positions keep the decode step free of
     # data-dependent shapes (OPT otherwise sizes its mask by the cache's filled length).
-    return cache, torch.ones(1, length, dtype=torch.long, device="cuda")
+    return cache, torch.ones(1, length, dtype=torch.long, device=ids.device)
 
 
 @torch.no_grad()
@@ -561,12 +561,24 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
 PIPELINE_WARMUP = 4
 
 
+def _rewind(cache, length: int) -> None:
+    """Set a static cache back to ``length`` filled positions, in place (its tensors keep their
+    addresses). Transformers' ``StaticLayer`` writes each step's keys and values at its own
+    count of filled positions (``cumulative_length``), not at the ``cache_position`` it is
+    given: steps that start again from the prompt's end without this wrote past it, and past
+    the cache's end when it had no room to spare (a device-side assert, eleventh session)."""
+    for layer in cache.layers:
+        count = getattr(layer, "cumulative_length", None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(length)
+
+
 def _pipelined_ms(model, forward, ids: torch.Tensor, new: int, length: int) -> float:
     """ms per token of ``new`` decode steps after a prefill of ``ids`` into a static cache of
     ``length`` positions (the timed steps' length: another would recompile), launched without
     waiting for each other: the next token and its position never leave the GPU, and the one
     synchronisation is after the last step. ``PIPELINE_WARMUP`` steps on the same cache come
-    first, untimed; the timed steps then start again from the prompt's end."""
+    first, untimed; the timed steps then start again from the prompt's end (``_rewind``)."""
     prompt = ids.shape[1]
     cache, mask = _prefilled(model, ids, length)
 
@@ -580,6 +592,7 @@ def _pipelined_ms(model, forward, ids: torch.Tensor, new: int, length: int) -> f
             pos = pos + 1  # a fresh tensor, like the timed loop's (a view would recompile)
 
     steps(PIPELINE_WARMUP)
+    _rewind(cache, prompt)
     torch.cuda.synchronize()
     start = time.perf_counter()
     steps(new)

@@ -222,7 +222,7 @@ def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
     """The pipelined loop runs its warm-up steps on the cache it then times (a new cache would
     make the CUDA-graph trees record again inside the timed steps), and times ``new`` steps
     from the prompt's end, each at the next position."""
-    calls, cache, syncs = [], object(), []
+    calls, cache, syncs = [], SimpleNamespace(layers=[]), []
     monkeypatch.setattr(bench, "_prefilled", lambda model, ids, length: (cache, "mask"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(len(calls)))
 
@@ -242,6 +242,35 @@ def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
     assert [p for _, p, _ in calls] == list(range(6, 6 + warm)) + [6, 7, 8]
     assert all(p == q for _, p, q in calls)
     assert syncs == [warm, warm + 3]  # the clock starts after the warm-up has finished
+
+
+def test_pipelined_timing_rewinds_the_static_cache(monkeypatch):
+    """Transformers' static cache writes each step at its own count of filled positions, not at
+    the step's ``cache_position``: the pipelined loop sets that count back to the prompt's
+    length before its timed steps, so they write where they read and the cache needs no room
+    beyond the prompt and the timed steps (without it, the warm-up's steps pushed the last
+    timed ones past a 257-position cache: a device-side assert on the H200)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    model = LlamaForCausalLM(cfg).eval()
+    prompt, new = 5, bench.PIPELINE_WARMUP + 1  # the warm-up's steps fit in the timed ones
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    written = []
+
+    def forward(**kwargs):
+        cache = kwargs["past_key_values"]
+        written.append(int(kwargs["cache_position"]))
+        out = model(**kwargs)
+        # the step's keys went where its position says: the next free position is after it
+        assert int(cache.layers[0].cumulative_length) == written[-1] + 1
+        return out
+
+    ids = torch.randint(0, 64, (1, prompt))
+    with torch.no_grad():
+        bench._pipelined_ms(model, forward, ids, new, prompt + new)  # no room to spare
+    assert written[-new:] == list(range(prompt, prompt + new))
 
 
 def test_kernel_switches_follow_the_mode(monkeypatch):
