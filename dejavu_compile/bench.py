@@ -29,6 +29,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from .kernels import tuning
 from .profile import BUCKET_UNITS
 
 DENSITIES = (0.05, 0.1, 0.25, 0.5, 0.8, 1.0)
@@ -353,26 +354,6 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
     streams = {getattr(ev, "device_resource_id", None) for ev in kernels}
     return {"span_ms": statistics.median(span) / 1e3, "idle_ms": statistics.median(idle) / 1e3,
             "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams)}
-
-
-def tuned_configs() -> dict[str, dict[str, str]]:
-    """The config each autotuned kernel of ``dejavu_compile.kernels`` chose so far in this
-    process, by tuning key: kernel name -> {key: config}. The bench's modes share them, and a
-    kernel that ran slower in one run than in another may have tuned otherwise."""
-    import importlib
-    import pkgutil
-
-    from triton.runtime.autotuner import Autotuner
-
-    from dejavu_compile import kernels
-
-    out: dict[str, dict[str, str]] = {}
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
-        for name, obj in vars(module).items():
-            if isinstance(obj, Autotuner) and obj.cache:
-                out[f"{info.name}.{name}"] = {str(k): str(c) for k, c in obj.cache.items()}
-    return out
 
 
 def _host_breakdown(prof, steps: int) -> list[dict]:
@@ -897,18 +878,36 @@ def analyse_kv(sweep: dict, bandwidth: float) -> dict:
             "measured_crossing": measured, "fastest": fastest, "copy_gbs": bandwidth / 1e9}
 
 
+def load_tuned(path: str) -> dict:
+    """The tuned configs in ``path``: a ``dejavu bench`` JSON (its ``tuned``) or a mapping of
+    kernel to entries as ``kernels.tuning.tuned()`` gives it."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and "tuned" in data:
+        return data["tuned"]
+    if isinstance(data, dict) and {"gpu", "e2e"} & set(data):
+        raise ValueError(f"{path} is a dejavu bench JSON without tuned configs (bench runs "
+                         "record them since 34a7fe3)")
+    return data
+
+
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
-        kv_attention: str = KV_ATTENTION[0]) -> dict:
-    """The whole benchmark; returns (and optionally writes) a JSON-able dict."""
+        kv_attention: str = KV_ATTENTION[0], tuned: str | None = None) -> dict:
+    """The whole benchmark; returns (and optionally writes) a JSON-able dict. ``tuned``: a
+    file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
+    keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file."""
     if not torch.cuda.is_available():
         raise RuntimeError("dejavu bench needs a CUDA GPU")
+    seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
     configs = shape_configs()
     unknown = [m for m in models if m not in configs]
     if unknown:
         raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(configs)}")
     bw = copy_bandwidth()
     result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": []}
+    if tuned:
+        result["tuned_from"] = {"path": tuned, "keys": seeded}
     print(f"GPU {result['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if kv:
         sweep = kv_sweep(KV_MODEL, configs[KV_MODEL], attention=kv_attention)
@@ -934,9 +933,10 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                         row.update({f"gpu_{k}": v for k, v in res.gpu_timeline.items()})
                 if res.host_breakdown is not None:
                     row["host_breakdown"] = res.host_breakdown
-                row["tuned"] = tuned_configs()
+                row["tuned"] = tuning.tuned()  # the configs so far: the modes share them
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
+    result["tuned"] = tuning.tuned()
     if out_json:
         with open(out_json, "w") as f:
             json.dump(result, f, indent=1)
@@ -961,6 +961,10 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
     lines = [f"## {date}: `{command}`", "",
              f"GPU {result['gpu']}, commit `{commit}`, measured copy bandwidth "
              f"{result['copy_gbs']:.0f} GB/s (read + write).", ""]
+    if result.get("tuned_from"):
+        src = result["tuned_from"]
+        lines += [f"Kernel configs: {src['keys']} tuning keys taken from `{src['path']}` instead "
+                  "of tuned in this run.", ""]
     if result["kernels"]:
         lines += ["### Kernels (fp16, batch 1; ms per call, median of CUDA-graph replays over "
                   f"{LAYERS} weight sets)", "",

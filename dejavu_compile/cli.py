@@ -30,7 +30,8 @@ def _bench(args) -> int:
 
     result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
                        e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
-                       breakdown=args.breakdown, kv_attention=args.kv_attention)
+                       breakdown=args.breakdown, kv_attention=args.kv_attention,
+                       tuned=args.tuned)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -267,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                         "dejavu::decode_attention kernel or PyTorch's SDPA")
     p.add_argument("--breakdown", action="store_true",
                    help="also profile each end-to-end mode: GPU time per step by kernel")
+    p.add_argument("--tuned", metavar="FILE",
+                   help="run the kernels with the configs an earlier bench JSON recorded "
+                        "(its 'tuned') instead of tuning those keys again")
     p.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)

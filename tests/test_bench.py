@@ -203,19 +203,62 @@ def test_only_the_sdpa_mode_turns_the_decode_attention_off():
         assert options.merge_attention == (mode == "dejavu_merge"), mode
 
 
-def test_tuned_configs_name_each_kernels_choice(monkeypatch):
-    """The bench records, per mode, the config each autotuned kernel chose for each tuning key
-    (only kernels that tuned: a single-config kernel under the interpreter keeps no cache)."""
-    import triton
-    from dejavu_compile.kernels import decode_attention, sparse_mlp
+def test_tuned_configs_round_trip_through_json(monkeypatch, tmp_path):
+    """The configs the autotuners chose, per tuning key, come out as plain data (the bench's
+    JSON keeps them) and go back into the autotuners' caches, so a later run uses those tiles
+    without tuning; a kernel not tuned is left out."""
+    import json
 
-    choice = triton.Config({"BLOCK_L": 32}, num_warps=4, num_stages=2)
-    monkeypatch.setattr(decode_attention._split_kernel, "cache", {(256, 4, 128): choice})
+    from dejavu_compile.kernels import decode_attention, sparse_mlp, tuning
+
+    split = decode_attention._split_kernel
+    key = (256, 4, 128, 8, 32, False, "torch.float16")
+    monkeypatch.setattr(split, "cache", {key: split.configs[-1]})
     monkeypatch.setattr(sparse_mlp._up_kernel, "cache", {})
-    tuned = bench.tuned_configs()
-    assert tuned["decode_attention._split_kernel"] == {"(256, 4, 128)": str(choice)}
-    assert "sparse_mlp._up_kernel" not in tuned
-    assert "BLOCK_L: 32" in str(choice)
+    data = json.loads(json.dumps(tuning.tuned()))
+    assert data["decode_attention._split_kernel"] == [
+        {"key": list(key), "config": tuning.config_data(split.configs[-1])}]
+    assert "sparse_mlp._up_kernel" not in data
+
+    monkeypatch.setattr(split, "cache", {})
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"gpu": "H200", "e2e": [], "tuned": data}))
+    assert tuning.seed(bench.load_tuned(str(path))) == sum(len(v) for v in data.values())
+    assert split.cache == {key: split.configs[-1]}
+
+
+def test_tuned_configs_that_do_not_fit_are_refused(monkeypatch, tmp_path):
+    """A kernel this build does not autotune, a config outside a kernel's candidates or an
+    entry without its fields is an error naming it, and nothing is seeded; a bench JSON
+    without tuned configs is refused as such."""
+    import json
+
+    from dejavu_compile.kernels import decode_attention, tuning
+
+    split = decode_attention._split_kernel
+    monkeypatch.setattr(split, "cache", {})
+    good = {"key": [1], "config": tuning.config_data(split.configs[0])}
+    other = {**good["config"], "num_warps": 64}
+    with pytest.raises(ValueError, match="'heads._nope'.*does not autotune"):
+        tuning.seed({"decode_attention._split_kernel": [good], "heads._nope": [good]})
+    with pytest.raises(ValueError, match="_split_kernel.*not among"):
+        tuning.seed({"decode_attention._split_kernel": [good, {"key": [2], "config": other}]})
+    with pytest.raises(ValueError, match="needs 'key' and 'config'"):
+        tuning.seed({"decode_attention._split_kernel": [{"key": [3]}]})
+    assert split.cache == {}  # none of the good entries went in
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"gpu": "H200", "e2e": []}))
+    with pytest.raises(ValueError, match="without tuned configs"):
+        bench.load_tuned(str(old))
+
+
+def test_markdown_says_when_configs_were_not_tuned():
+    result = {"gpu": "H200", "copy_gbs": 4200.0, "kernels": [], "e2e": [],
+              "tuned_from": {"path": "run1.json", "keys": 42}}
+    text = bench.markdown(result, "dejavu bench --tuned run1.json", "abc1234", "2026-12-01")
+    assert "42 tuning keys taken from `run1.json` instead of tuned in this run" in text
+    del result["tuned_from"]
+    assert "tuning keys" not in bench.markdown(result, "dejavu bench", "abc1234", "2026-12-01")
 
 
 def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
