@@ -7,8 +7,8 @@ programs run at once (the cache of one head is too long a stream for one program
 1. ``_split_kernel``: program (batch * kv head, chunk) loads the group's query heads (padded to
    16 rows, so the products are tensor-core dots) and walks its chunk of keys and values in
    blocks with an online softmax; it writes its unnormalised output, running maximum and sum.
-2. ``_combine_kernel``: program (batch * KV head) rescales the chunks to a common maximum and
-   sums them, for each of the group's query heads (``_merge_chunks``).
+2. ``_combine_kernel``: program (batch * KV head, query head of its group) rescales the
+   chunks to a common maximum and sums them (``_merge_chunks``).
 
 Given ``counters`` (int32, one per batch x KV head, zero between calls: the lower pass attaches
 them to each call it makes), the split kernel merges the chunks itself and step 2 is not
@@ -154,22 +154,23 @@ def _split_kernel(
         # (its acquire) before its loads, which read the other programs' partials from L2
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == splits - 1:
-            _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, bh, splits, G, kvh * G, D,
-                          so_h, GP, GR, BLOCK_D, BLOCK_S)
+            _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, bh, splits, G, 0, kvh * G,
+                          D, so_h, GP, GR, BLOCK_D, BLOCK_S)
             tl.atomic_xchg(cnt_ptr + bh, 0)  # zero again for the next call
 
 
 @triton.jit
-def _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr, bh, splits, G, h0, D, so_h,
+def _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr, bh, splits, G, r0, h0, D, so_h,
                   GP: tl.constexpr, GR: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_S: tl.constexpr):
-    """Rescale the ``splits`` chunks of KV head ``bh`` to a common maximum and sum them into
-    the output rows of query heads ``h0 .. h0 + G - 1``. The chunks are loaded ``BLOCK_S`` at a
-    time, every row of the group at once ([BLOCK_S, GR, BLOCK_D]), so a short cache takes one
-    round trip to L2: a loop over the chunks one at a time made the split kernel 3x slower on
-    an H200 (104 -> 317 us a Llama-3-8B step, BENCHMARKS.md, tenth session)."""
+    """Rescale the ``splits`` chunks of KV head ``bh`` to a common maximum and sum them, for
+    rows ``r0 .. r0 + GR - 1`` of its group of ``G`` query heads, into the output rows of query
+    heads ``h0 + r0 ..`` (``h0``: the group's first). The chunks are loaded ``BLOCK_S`` at a
+    time, all ``GR`` rows at once ([BLOCK_S, GR, BLOCK_D]), so a short cache takes one round
+    trip to L2: a loop over the chunks one at a time made the split kernel 3x slower on an
+    H200 (104 -> 317 us a Llama-3-8B step, BENCHMARKS.md, tenth session)."""
     offs_s = tl.arange(0, BLOCK_S)
-    rows = tl.arange(0, GR)
+    rows = r0 + tl.arange(0, GR)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g, mask_d = rows < G, offs_d < D
     m_run = tl.full([GR], float("-inf"), tl.float32)
@@ -201,13 +202,19 @@ def _combine_kernel(
     G, D, KVH, SPLITS, so_b, so_h,
     GP: tl.constexpr, GR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    bh = tl.program_id(0)  # batch x KV head: the split kernel's merge, as a launch of its own
+    # program (batch x KV head, GR rows of its group): the split kernel's merge as a launch
+    # of its own, one query head a program (GR = 1) as before b1dcc65, when the combine took
+    # 67 us a Llama-3-8B step on an H200 (6ee37d2); one program a KV head took 114 us at
+    # f3622db (BENCHMARKS.md, eleventh session, a run in which all our kernels ran slow)
+    bh = tl.program_id(0)
     _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + (bh // KVH) * so_b, bh, SPLITS, G,
-                  (bh % KVH) * G, D, so_h, GP, GR, BLOCK_D, BLOCK_S)
+                  tl.program_id(1) * GR, (bh % KVH) * G, D, so_h, GP, GR, BLOCK_D, BLOCK_S)
 
 
 # fp32 partials ``_merge_chunks`` holds at once: 64 registers a thread at 4 warps
 MERGE_VALUES = 8192
+# query heads per program of the combine launch
+COMBINE_ROWS = 1
 
 
 def merge_block(splits: int, group: int, block_d: int) -> int:
@@ -258,9 +265,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     )
     if merge:
         return out
-    _combine_kernel[(b * kvh,)](
+    _combine_kernel[(b * kvh, triton.cdiv(g, COMBINE_ROWS))](
         part_o, part_m, part_l, out,
         g, d, kvh, splits, out.stride(0), out.stride(1),
-        GP=gp, GR=gr, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+        GP=gp, GR=COMBINE_ROWS, BLOCK_D=block_d,
+        BLOCK_S=merge_block(splits, COMBINE_ROWS, block_d), num_warps=4,
     )
     return out

@@ -453,11 +453,14 @@ def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim
 
 
 def test_decode_attention_merges_chunks_in_blocks(monkeypatch):
-    """A long cache's chunks are merged a few at a time (here 2, so 300 keys take 10 rounds of
-    the merge's loop), with an online rescale; the first rounds see only masked keys."""
+    """A long cache's chunks are merged a few at a time (here 2 in the split kernel, which
+    merges both rows of a group, so 300 keys take 10 rounds of the merge's loop; 4 in the
+    combine launch, a row a program), with an online rescale; the first rounds see only masked
+    keys."""
     monkeypatch.setattr(decode_attention, "MERGE_VALUES", 2 * 2 * 16)
     _, splits = decode_attention.chunking(2, 300)
     assert decode_attention.merge_block(splits, 2, 16) == 2 < splits
+    assert decode_attention.merge_block(splits, decode_attention.COMBINE_ROWS, 16) == 4 < splits
     f16 = torch.float16
     q = _rand(1, 4, 1, 16, dtype=f16, seed=0) * 4
     k, v = _rand(1, 2, 300, 16, dtype=f16, seed=1) * 4, _rand(1, 2, 300, 16, dtype=f16, seed=2)
