@@ -487,3 +487,27 @@ def test_threshold_selector_matches_masked_reference(tiny, arch):
     row = dejavu_compile.report(model).layers[1].mlp
     assert row.selector == "threshold" and row.selector_bytes == 0
     assert 0.45 * row.dense_bytes < row.sparse_bytes < 0.55 * row.dense_bytes
+
+
+def test_readme_lists_every_option_with_its_default():
+    """The README's options table names every field of ``DejavuOptions`` (one definition for
+    API and CLI) with the default the code has."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    table = text[text.index("Options (`dejavu_compile.DejavuOptions`"):]
+    table = table[:table.index("\n## ")]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            for name in re.findall(r"`(\w+)`", cells[0]):
+                rows[name] = cells[1]
+    for f in dataclasses.fields(DejavuOptions):
+        if f.name == "version":
+            continue
+        assert f.name in rows, f"README's options table lacks {f.name!r}"
+        want = "none" if f.default is None else f"`{f.default}`"
+        assert rows[f.name].startswith(want), (f.name, rows[f.name], f.default)
