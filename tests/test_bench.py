@@ -331,3 +331,10 @@ def test_kernel_switches_follow_the_mode(monkeypatch):
     with bench.kernel_switches("dejavu_sparse"):
         assert PDL_ENV not in os.environ and not stores_rows()
     assert os.environ[PDL_ENV] == "1" and STORE_ROWS_ENV not in os.environ
+
+
+def test_readme_describes_every_bench_mode():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    assert [m for m in bench.MODES if f"`{m}`" not in text] == []
