@@ -905,19 +905,31 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
     if unknown:
         raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(configs)}")
     bw = copy_bandwidth()
-    result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": []}
+    result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": [],
+              "complete": False}
     if tuned:
         result["tuned_from"] = {"path": tuned, "keys": seeded}
     print(f"GPU {result['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+
+    def save() -> None:
+        """The JSON as measured so far, rewritten after each result: a run stopped by a time
+        limit keeps what it measured (``complete`` false)."""
+        result["tuned"] = tuning.tuned()
+        if out_json:
+            with open(out_json, "w") as f:
+                json.dump(result, f, indent=1)
+
     if kv:
         sweep = kv_sweep(KV_MODEL, configs[KV_MODEL], attention=kv_attention)
         result["kv"] = {**sweep, **analyse_kv(sweep, bw)}
+        save()
     for name in models:
         if kernels:
             for row in kernel_sweep(name, configs[name]):
                 row["pct_copy"] = 100 * row["sparse_gbs"] * 1e9 / bw
                 result["kernels"].append(row)
                 print(json.dumps(row), flush=True)
+                save()
         if e2e:
             point = OPERATING_POINTS[name]
             for res in end_to_end(name, configs[name], point, modes=modes, breakdown=breakdown):
@@ -936,10 +948,9 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                 row["tuned"] = tuning.tuned()  # the configs so far: the modes share them
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
-    result["tuned"] = tuning.tuned()
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump(result, f, indent=1)
+                save()
+    result["complete"] = True
+    save()
     return result
 
 
@@ -961,6 +972,8 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
     lines = [f"## {date}: `{command}`", "",
              f"GPU {result['gpu']}, commit `{commit}`, measured copy bandwidth "
              f"{result['copy_gbs']:.0f} GB/s (read + write).", ""]
+    if result.get("complete") is False:
+        lines += ["Partial: the run stopped before its end; these are the results it wrote.", ""]
     if result.get("tuned_from"):
         src = result["tuned_from"]
         lines += [f"Kernel configs: {src['keys']} tuning keys taken from `{src['path']}` instead "

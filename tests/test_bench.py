@@ -338,3 +338,33 @@ def test_readme_describes_every_bench_mode():
 
     text = (Path(__file__).parents[1] / "README.md").read_text()
     assert [m for m in bench.MODES if f"`{m}`" not in text] == []
+
+
+def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
+    """The JSON is rewritten after each result, marked incomplete until the run ends: a run
+    that stops early (a device call's time limit) keeps the modes it finished, and the
+    markdown made from it says it is partial."""
+    import json
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(bench, "shape_configs", lambda: {"llama-3-8b": None})
+
+    def end_to_end(name, cfg, point, modes, breakdown):
+        yield bench.DecodeResult("hf_compiled", 6.0, (5.9, 6.1), 15 * 10**9, 15.1, host_ms=0.6,
+                                 pipelined_ms=5.6)
+        raise KeyboardInterrupt  # the time limit, before the second mode finished
+
+    monkeypatch.setattr(bench, "end_to_end", end_to_end)
+    out = tmp_path / "run.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(["llama-3-8b"], out_json=str(out), kernels=False)
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False and [r["mode"] for r in partial["e2e"]] == ["hf_compiled"]
+    text = bench.markdown(partial, "dejavu bench", "abc1234", "2026-12-01")
+    assert "Partial: the run stopped before its end" in text and "hf_compiled" in text
+
+    monkeypatch.setattr(bench, "end_to_end", lambda *a, **k: iter(()))
+    assert bench.run(["llama-3-8b"], out_json=str(out), kernels=False)["complete"] is True
+    assert json.loads(out.read_text())["complete"] is True
