@@ -53,6 +53,10 @@ CALIBRATION_SELECTORS = ("predictor", "gate", "threshold")
 # weights of the greedy allocation against the uniform spread tried by ``blend_allocation``,
 # and the byte overshoot it allows (a blend keeps a predictor on a layer one side left dense)
 BLEND_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# With a perplexity budget (``max_ppl_increase``): the last VALIDATION_TOKENS calibration tokens
+# are held out (not recorded, not trained on) and the byte targets tried on them, densest first
+VALIDATION_TOKENS = 512
+SEARCH_STEPS = tuple(round(1.0 - 0.05 * i, 2) for i in range(1, 15))  # 0.95 .. 0.30
 BLEND_SLACK = 0.01
 DEFAULT_SELECTORS = ("predictor",)
 
@@ -333,16 +337,26 @@ def loss_sensitivity(model, traces: list[MLPTrace], predictors: dict[int, Predic
     return _sensitivity(model, traces, ids, "sensitivity", hooks, progress)
 
 
-@torch.no_grad()
 def joint_loss(model, traces: list[MLPTrace], ids: torch.Tensor, densities: dict[int, float],
                hooks) -> float:
     """The model's mean next-token loss on ``ids`` with every layer below density 1.0 running
     its selector at once (``hooks`` as for ``_sensitivity``)."""
+    chosen = {layer: Option("predictor", d, 0.0, 0.0) for layer, d in densities.items()}
+    return allocation_loss(model, traces, ids, chosen, {"predictor": hooks})
+
+
+@torch.no_grad()
+def allocation_loss(model, traces: list[MLPTrace], ids: torch.Tensor,
+                    chosen: dict[int, Option], hooks_by_selector: dict) -> float:
+    """The model's mean next-token loss on ``ids`` with every layer's chosen option at once:
+    each layer below density 1.0 runs its option's selector (``hooks_by_selector[selector]``,
+    each as for ``_sensitivity``)."""
     handles = []
     try:
         for trace in traces:
-            if densities.get(trace.layer, 1.0) < 1.0:
-                handles += hooks(trace, densities[trace.layer])
+            o = chosen.get(trace.layer)
+            if o is not None and o.selector != "dense" and o.density < 1.0:
+                handles += hooks_by_selector[o.selector](trace, o.density)
         return model(ids, labels=ids).loss.item()
     finally:
         for handle in handles:
@@ -374,10 +388,9 @@ def blend_allocation(adaptive: dict[int, float], flat: dict[int, float], dense_b
     return best[1], tried
 
 
-def gate_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
-                     progress: bool = True) -> dict[int, dict[float, float]]:
-    """Like ``loss_sensitivity`` for the gate selector: one layer's MLP keeps the top-k neurons
-    by |act(gate)| (gated MLPs only; others are left out)."""
+def gate_hooks():
+    """``hooks(trace, density)`` that make one gated layer's MLP keep the top-k neurons by
+    |act(gate)| and return the hook handles."""
     from dejavu_compile.kernels.reference import activate
 
     def hooks(trace, density):
@@ -394,15 +407,20 @@ def gate_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
         return [trace.first.register_forward_hook(keep_g),
                 trace.down.register_forward_pre_hook(mask_h)]
 
+    return hooks
+
+
+def gate_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
+                     progress: bool = True) -> dict[int, dict[float, float]]:
+    """Like ``loss_sensitivity`` for the gate selector: one layer's MLP keeps the top-k neurons
+    by |act(gate)| (gated MLPs only; others are left out)."""
     gated = [t for t in traces if t.up is not None]
-    return _sensitivity(model, gated, ids, "gate sensitivity", hooks, progress)
+    return _sensitivity(model, gated, ids, "gate sensitivity", gate_hooks(), progress)
 
 
-def threshold_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
-                          progress: bool = True) -> dict[int, dict[float, float]]:
-    """Like ``loss_sensitivity`` for the training-free threshold selector (TEAL): one layer's
-    MLP projections each keep their largest-magnitude input activations, the density's fraction
-    per token (a per-token quantile threshold: decode graphs need a static count)."""
+def threshold_hooks():
+    """``hooks(trace, density)`` that make one layer's MLP projections each keep their
+    largest-magnitude input activations, the density's fraction per token (TEAL)."""
 
     def keep_inputs(mod, args, density):
         t = args[0]
@@ -413,7 +431,15 @@ def threshold_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
         return [m.register_forward_pre_hook(
             lambda mod, args: keep_inputs(mod, args, density)) for m in mods]
 
-    return _sensitivity(model, traces, ids, "threshold sensitivity", hooks, progress)
+    return hooks
+
+
+def threshold_sensitivity(model, traces: list[MLPTrace], ids: torch.Tensor,
+                          progress: bool = True) -> dict[int, dict[float, float]]:
+    """Like ``loss_sensitivity`` for the training-free threshold selector (TEAL): one layer's
+    MLP projections each keep their largest-magnitude input activations, the density's fraction
+    per token (a per-token quantile threshold: decode graphs need a static count)."""
+    return _sensitivity(model, traces, ids, "threshold sensitivity", threshold_hooks(), progress)
 
 
 @torch.no_grad()
@@ -533,10 +559,15 @@ class Calibration:
     # with the uniform spread (predictor-only calibrations; see ``blend_allocation``)
     blend: dict[float, float] = dataclasses.field(default_factory=dict)
     greedy: dict[int, float] = dataclasses.field(default_factory=dict)  # densities before it
+    target_density: float = DEFAULT_TARGET_DENSITY  # the byte target the profile was made for
+    # with max_ppl_increase: each byte target tried -> its allocation's perplexity increase on
+    # the held-out tokens (a fraction: 0.03 is +3%)
+    search: dict[float, float] = dataclasses.field(default_factory=dict)
 
 
 def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
-              target_density: float = DEFAULT_TARGET_DENSITY, rank: int = DEFAULT_RANK,
+              target_density: float | None = None, max_ppl_increase: float | None = None,
+              rank: int = DEFAULT_RANK,
               epochs: int = DEFAULT_EPOCHS, cache_dir: str | Path | None = None,
               lookahead: bool = False, selectors: tuple[str, ...] = DEFAULT_SELECTORS,
               bucket_units: int = BUCKET_UNITS, weighted_loss: bool = False,
@@ -559,10 +590,36 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
 
     With predictors only, the written allocation is the blend of the greedy one and the uniform
     spread with the lowest joint loss on the sensitivity tokens (``blend_allocation``; the
-    losses tried are in ``Calibration.blend``), so it is never worse there than uniform."""
+    losses tried are in ``Calibration.blend``), so it is never worse there than uniform.
+
+    The budget is ``target_density`` (MLP bytes read per token, selectors included, as a
+    fraction of dense; ``DEFAULT_TARGET_DENSITY`` when neither is given) or
+    ``max_ppl_increase`` (0.03: at most +3% perplexity). With the latter, the last
+    ``VALIDATION_TOKENS`` of ``ids`` are held out; the allocation is made for each byte target
+    of ``SEARCH_STEPS``, densest first, and the sparsest whose perplexity on the held-out
+    tokens stays within the budget is written (every layer dense if none does). The search
+    stops at the first target over budget (a lower target's greedy allocation extends a
+    higher one's); ``Calibration.search`` holds what each target tried gave."""
     unknown = set(selectors) - set(CALIBRATION_SELECTORS)
     if unknown or not selectors:
         raise ValueError(f"selectors must be among {CALIBRATION_SELECTORS}, got {selectors}")
+    # one sequence per forward pass: no longer than the model's context
+    context = getattr(model.config, "max_position_embeddings", None) or SENSITIVITY_TOKENS
+    validation = None
+    if max_ppl_increase is not None:
+        if target_density is not None:
+            raise ValueError("give target_density or max_ppl_increase, not both")
+        if not max_ppl_increase >= 0:
+            raise ValueError(f"max_ppl_increase must be >= 0 (0.03 is +3%), got "
+                             f"{max_ppl_increase!r}")
+        held = min(VALIDATION_TOKENS, context)
+        if ids.shape[1] < 2 * held:
+            raise ValueError(f"max_ppl_increase needs at least {2 * held} calibration tokens "
+                             f"(the last {held} are held out to measure perplexity), got "
+                             f"{ids.shape[1]}")
+        ids, validation = ids[:, :-held], ids[:, -held:]
+    elif target_density is None:
+        target_density = DEFAULT_TARGET_DENSITY
     out = Path(out)
     traces = record(model, ids, Path(cache_dir) if cache_dir else None, progress)
     # the trace each predictor reads its input from
@@ -591,8 +648,6 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     # Allocation spends the budget where the measured loss grows least per byte saved (the
     # block's own relative output error was tried first: it pushed the last layers of
     # SmolLM2-135M to density 0.3 and lost to the uniform spread, +33.5% vs +14.0% perplexity).
-    # one sequence per forward pass: no longer than the model's context
-    context = getattr(model.config, "max_position_embeddings", None) or SENSITIVITY_TOKENS
     sample = ids[:, :min(SENSITIVITY_TOKENS, context)]
     errors = loss_sensitivity(model, learned, trained, sample, progress, sources, buckets)
     options = {t.layer: [Option("dense", 1.0, dense_b[t.layer], 0.0)] for t in traces}
@@ -649,32 +704,60 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             return quality[layer]["recall_by_density"][d]
         return recall_by_density(trained[layer], held_out[layer], (d,))[d]
 
-    chosen = greedy_options = allocate_options(options, target_density)
-    # the uniform twin spreads the same budget evenly, with the selector most layers chose
-    kinds = [o.selector for o in chosen.values() if o.selector != "dense"]
-    kind = max(set(kinds), key=kinds.count) if kinds else selectors[0]
-    if kind == "gate":
-        spread = uniform_gate(traces, target_density)
-    elif kind == "threshold":  # no selector bytes: the budget itself, less the dense layers
-        rest = sum(dense_b[t.layer] for t in traces if t.layer != 0)
-        d = (target_density * sum(dense_b.values()) - dense_b.get(0, 0)) / rest
-        spread = {t.layer: 1.0 if t.layer == 0 else round(d, 4) for t in traces}
+    hooks_by = {"predictor": predictor_hooks(trained, sources, buckets), "gate": gate_hooks(),
+                "threshold": threshold_hooks()}
+
+    def allocation(target: float):
+        """(chosen options, greedy options, uniform spread, its selector, blend losses) for a
+        byte target."""
+        chosen = greedy_options = allocate_options(options, target)
+        # the uniform twin spreads the same budget evenly, with the selector most layers chose
+        kinds = [o.selector for o in chosen.values() if o.selector != "dense"]
+        kind = max(set(kinds), key=kinds.count) if kinds else selectors[0]
+        if kind == "gate":
+            spread = uniform_gate(traces, target)
+        elif kind == "threshold":  # no selector bytes: the budget itself, less the dense layers
+            rest = sum(dense_b[t.layer] for t in traces if t.layer != 0)
+            d = (target * sum(dense_b.values()) - dense_b.get(0, 0)) / rest
+            spread = {t.layer: 1.0 if t.layer == 0 else round(d, 4) for t in traces}
+        else:
+            spread = uniform(errors, dense_b, pred_b, target)
+        blend = {}
+        if set(kinds) == {"predictor"}:
+            greedy = {layer: o.density for layer, o in chosen.items()}
+            dens, blend = blend_allocation(
+                greedy, spread, dense_b, pred_b, target,
+                lambda dens: joint_loss(model, learned, sample, dens, hooks_by["predictor"]))
+            log.info("allocation: joint loss %s (weight of the greedy allocation: loss)",
+                     {w: round(v, 4) for w, v in blend.items()})
+            chosen = {layer: Option("predictor" if d < 1.0 else "dense", d, 0.0, 0.0)
+                      for layer, d in dens.items()}
+        return chosen, greedy_options, spread, kind, blend
+
+    search: dict[float, float] = {}
+    if validation is None:
+        chosen, greedy_options, spread, kind, blend = allocation(target_density)
     else:
-        spread = uniform(errors, dense_b, pred_b, target_density)
-    if set(kinds) == {"predictor"}:
-        hooks = predictor_hooks(trained, sources, buckets)
-        greedy = {layer: o.density for layer, o in chosen.items()}
-        dens, blend = blend_allocation(
-            greedy, spread, dense_b, pred_b, target_density,
-            lambda dens: joint_loss(model, learned, sample, dens, hooks))
-        log.info("allocation: joint loss %s (weight of the greedy allocation: loss)",
-                 {w: round(v, 4) for w, v in blend.items()})
-        chosen = {layer: Option("predictor" if d < 1.0 else "dense", d, 0.0, 0.0)
-                  for layer, d in dens.items()}
+        base = allocation_loss(model, traces, validation, {}, hooks_by)
+        target_density, found = 1.0, allocation(1.0)
+        for target in tqdm(SEARCH_STEPS, desc="budget", disable=not progress, leave=False):
+            try:
+                tried = allocation(target)
+            except ValueError:  # below what the densities and selectors can reach
+                break
+            loss = allocation_loss(model, traces, validation, tried[0], hooks_by)
+            search[target] = math.exp(loss - base) - 1
+            log.info("byte target %.2f: held-out perplexity %+.2f%%", target,
+                     100 * search[target])
+            if search[target] > max_ppl_increase:
+                break
+            target_density, found = target, tried
+        chosen, greedy_options, spread, kind, blend = found
     adaptive = build(chosen, out)
     flat = build({layer: Option(kind if d < 1.0 else "dense", d, 0.0, 0.0)
                   for layer, d in spread.items()},
                  out.with_name(f"{out.stem}-uniform{out.suffix}"))
     return Calibration(adaptive, flat, predictors, quality, blend,
-                       {layer: o.density for layer, o in greedy_options.items()})
+                       {layer: o.density for layer, o in greedy_options.items()},
+                       target_density, search)
 

@@ -61,7 +61,8 @@ def _calibrate(args) -> int:
     loaded = load_model(args.model)
     ids = _text_ids(loaded, args.text, "calibration", args.tokens)
     cal = calibrate.calibrate(loaded.model, ids, loaded.name, args.out,
-                              target_density=args.target_density, rank=args.rank,
+                              target_density=args.target_density,
+                              max_ppl_increase=args.max_ppl_increase, rank=args.rank,
                               epochs=args.epochs, cache_dir=args.cache,
                               lookahead=args.lookahead, selectors=tuple(args.selectors),
                               bucket_units=args.bucket_units, weighted_loss=args.weighted_loss)
@@ -73,6 +74,9 @@ def _calibrate(args) -> int:
         if "recall" in q:
             line += f"  (predictor recall at density {calibrate.TRAIN_DENSITY}: {q['recall']:.3f})"
         print(line)
+    if cal.search:
+        tried = ", ".join(f"{t:.2f}: {100 * inc:+.2f}%" for t, inc in cal.search.items())
+        print(f"held-out perplexity by byte target ({tried}); kept {cal.target_density:.2f}")
     if cal.blend:
         tried = ", ".join(f"{w:g}: {loss:.4f}" for w, loss in cal.blend.items())
         print(f"joint loss by weight of the greedy allocation against uniform ({tried}); "
@@ -191,8 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="profile YAML to write (predictors beside it)")
     p.add_argument("--text", help="calibration text file (default: Python docs, calibration split)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS)
-    p.add_argument("--target-density", type=float, default=DEFAULT_TARGET_DENSITY,
-                   help="MLP bytes read per token, predictors included, as a fraction of dense")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--target-density", type=float,
+                        help="MLP bytes read per token, predictors included, as a fraction of "
+                             f"dense (default {DEFAULT_TARGET_DENSITY})")
+    budget.add_argument("--max-ppl-increase", type=float,
+                        help="instead: the fewest bytes whose perplexity on held-out calibration "
+                             "tokens stays within this increase (0.03: +3%%)")
     p.add_argument("--rank", type=int, default=DEFAULT_RANK)
     p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     p.add_argument("--cache", help="folder for recorded activations (a rerun resumes from it)")

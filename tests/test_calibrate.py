@@ -173,6 +173,33 @@ def test_cli_passes_the_weighted_loss_option(monkeypatch, tmp_path):
         assert seen["weighted_loss"] is want
 
 
+def test_cli_takes_one_budget(monkeypatch, tmp_path, capsys):
+    """``--target-density`` or ``--max-ppl-increase``, passed through (neither: the API's
+    default); both at once is a usage error."""
+    from types import SimpleNamespace
+
+    from dejavu_compile import cli, models
+
+    seen = {}
+
+    def fake_calibrate(model, ids, name, out, **kw):
+        seen.update(kw)
+        raise KeyboardInterrupt  # stop before the report
+
+    loaded = SimpleNamespace(model=None, name="m", encode=lambda text, n: torch.ones(1, 300))
+    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    monkeypatch.setattr(cal, "calibrate", fake_calibrate)
+    out = ["--out", str(tmp_path / "p.yaml")]
+    for flags, want in (([], (None, None)), (["--target-density", "0.7"], (0.7, None)),
+                        (["--max-ppl-increase", "0.03"], (None, 0.03))):
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(["calibrate", "m", *out, *flags])
+        assert (seen["target_density"], seen["max_ppl_increase"]) == want
+    with pytest.raises(SystemExit):
+        cli.main(["calibrate", "m", *out, "--target-density", "0.7", "--max-ppl-increase", "0.03"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_importance_weights():
     """Loss weights: the floor plus |h| x the down column's norm over the token's mean, capped;
     a token whose activations overflowed gets plain weights."""
@@ -268,3 +295,54 @@ def test_calibration_with_threshold_selector(tiny, tmp_path):
         _decode_logits(torch.compile(model, backend="dejavu",
                                      options={"profile": str(tmp_path / "teal.yaml")}), prompt())
     assert dejavu_compile.report(model).counters["sparse_mlp[threshold]"] >= 1
+
+
+def test_calibration_within_a_perplexity_budget(tiny, tmp_path, monkeypatch):
+    """With ``max_ppl_increase`` the profile is the sparsest byte target whose perplexity on
+    the held-out calibration tokens stays within the budget: every target tried is recorded,
+    the kept one is within budget, the search stops at the first over it, and a budget no
+    sparse allocation meets leaves every layer dense. The held-out tokens are not recorded."""
+    import math
+
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1536), generator=torch.Generator().manual_seed(0))
+    kw = dict(rank=8, epochs=2, progress=False)
+    recorded, record = [], cal.record
+    monkeypatch.setattr(cal, "record", lambda m, t, *a: recorded.append(t) or record(m, t, *a))
+    loose = cal.calibrate(model, ids, "tiny-llama", tmp_path / "loose.yaml",
+                          max_ppl_increase=math.inf, **kw)
+    assert loose.search and all(t in cal.SEARCH_STEPS for t in loose.search)
+    assert loose.target_density == min(loose.search) < 1.0  # the sparsest reachable
+    assert loose.profile.layer(1).mlp.density < 1.0
+
+    budget = sorted(loose.search.values())[len(loose.search) // 2]
+    mid = cal.calibrate(model, ids, "tiny-llama", tmp_path / "mid.yaml",
+                        max_ppl_increase=budget, **kw)
+    kept = mid.search.get(mid.target_density, 0.0)
+    assert kept <= budget
+    stopped = min(mid.search)
+    assert stopped == mid.target_density or mid.search[stopped] > budget
+
+    strict = cal.calibrate(model, ids, "tiny-llama", tmp_path / "strict.yaml",
+                           max_ppl_increase=0.0, **kw)
+    if all(v > 0 for v in strict.search.values()):
+        assert strict.target_density == 1.0
+        assert all(layer.mlp.selector == "dense" for layer in strict.profile.layers)
+    # the held-out tokens are left out of the recorded activations (and so of training)
+    held = min(cal.VALIDATION_TOKENS, model.config.max_position_embeddings)
+    assert recorded and all(torch.equal(t, ids[:, :-held]) for t in recorded)
+
+
+def test_perplexity_budget_is_checked():
+    ids = torch.ones(1, 600, dtype=torch.long)
+    with pytest.raises(ValueError, match="not both"):
+        cal.calibrate(_Configured(), ids, "m", "p.yaml", target_density=0.6,
+                      max_ppl_increase=0.03)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cal.calibrate(_Configured(), ids, "m", "p.yaml", max_ppl_increase=-0.1)
+    with pytest.raises(ValueError, match="at least 1024 calibration tokens"):
+        cal.calibrate(_Configured(), ids, "m", "p.yaml", max_ppl_increase=0.03)
+
+
+class _Configured:
+    config = type("Config", (), {"max_position_embeddings": 2048})()
