@@ -153,20 +153,29 @@ def test_predictor_trains_with_a_given_loss():
     assert seen and seen[0] == ((cal.BATCH, n), [n // 2], True)
 
 
-def test_cli_passes_the_weighted_loss_option(monkeypatch, tmp_path):
+def _calibrate_args(monkeypatch) -> dict:
+    """The keyword arguments ``dejavu calibrate`` passes to the API, filled in by each call of
+    ``cli.main`` (the fake calibration stops it before the report with a KeyboardInterrupt)."""
     from types import SimpleNamespace
 
-    from dejavu_compile import cli, models
+    from dejavu_compile import models
 
     seen = {}
 
     def fake_calibrate(model, ids, name, out, **kw):
         seen.update(kw)
-        raise KeyboardInterrupt  # stop before the report
+        raise KeyboardInterrupt
 
     loaded = SimpleNamespace(model=None, name="m", encode=lambda text, n: torch.ones(1, 300))
     monkeypatch.setattr(models, "load_model", lambda name: loaded)
     monkeypatch.setattr(cal, "calibrate", fake_calibrate)
+    return seen
+
+
+def test_cli_passes_the_weighted_loss_option(monkeypatch, tmp_path):
+    from dejavu_compile import cli
+
+    seen = _calibrate_args(monkeypatch)
     for flag, want in (([], False), (["--weighted-loss"], True)):
         with pytest.raises(KeyboardInterrupt):
             cli.main(["calibrate", "m", "--out", str(tmp_path / "p.yaml"), *flag])
@@ -176,19 +185,9 @@ def test_cli_passes_the_weighted_loss_option(monkeypatch, tmp_path):
 def test_cli_takes_one_budget(monkeypatch, tmp_path, capsys):
     """``--target-density`` or ``--max-ppl-increase``, passed through (neither: the API's
     default); both at once is a usage error."""
-    from types import SimpleNamespace
+    from dejavu_compile import cli
 
-    from dejavu_compile import cli, models
-
-    seen = {}
-
-    def fake_calibrate(model, ids, name, out, **kw):
-        seen.update(kw)
-        raise KeyboardInterrupt  # stop before the report
-
-    loaded = SimpleNamespace(model=None, name="m", encode=lambda text, n: torch.ones(1, 300))
-    monkeypatch.setattr(models, "load_model", lambda name: loaded)
-    monkeypatch.setattr(cal, "calibrate", fake_calibrate)
+    seen = _calibrate_args(monkeypatch)
     out = ["--out", str(tmp_path / "p.yaml")]
     for flags, want in (([], (None, None)), (["--target-density", "0.7"], (0.7, None)),
                         (["--max-ppl-increase", "0.03"], (None, 0.03))):
