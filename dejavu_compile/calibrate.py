@@ -12,6 +12,8 @@ Attention stays dense here: on SmolLM2-135M the oracle at head density 0.5 costs
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -112,19 +114,47 @@ def find_mlp_modules(model, sample: torch.Tensor) -> list[tuple[int, dict]]:
     return blocks
 
 
+CACHE_TOKENS = "tokens.json"  # the fingerprint of the tokens a cache folder's activations are of
+
+
+def _fingerprint(ids: torch.Tensor) -> dict:
+    data = ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return {"tokens": int(ids.shape[-1]), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _check_cache_tokens(cache_dir: Path, ids: torch.Tensor, recorded: bool) -> None:
+    """Refuse a cache folder whose activations are of other tokens than ``ids`` (or of tokens
+    it cannot tell: recorded before the fingerprint was kept)."""
+    path = cache_dir / CACHE_TOKENS
+    if not path.is_file():
+        if recorded:
+            raise ValueError(f"cache {cache_dir} holds activations without the fingerprint of "
+                             f"their tokens ({CACHE_TOKENS}): delete it or use another folder")
+        return
+    have, want = json.loads(path.read_text()), _fingerprint(ids)
+    if have != want:
+        raise ValueError(f"cache {cache_dir} holds activations of other calibration tokens "
+                         f"({have['tokens']} tokens, sha256 {have['sha256'][:12]}; these are "
+                         f"{want['tokens']}, {want['sha256'][:12]}): another text, token count "
+                         f"or held-out split; delete it or use another folder")
+
+
 @torch.no_grad()
 def record(model, ids: torch.Tensor, cache_dir: Path | None = None,
            progress: bool = True, layers=None) -> list[MLPTrace]:
     """Run the dense model over ``ids`` [1, T] in sequences of ``CONTEXT`` tokens and record
     every MLP's input and hidden activations (only those of ``layers`` when given: memory grows
-    with tokens x layers). With ``cache_dir``, recorded layers are saved and a rerun resumes
-    from them."""
+    with tokens x layers). With ``cache_dir``, recorded layers are saved with a fingerprint of
+    ``ids`` and a rerun on the same tokens resumes from them; a cache of other tokens (another
+    text, count or held-out split) is an error, not reused."""
     blocks = find_mlp_modules(model, ids[:, :8])
     if layers is not None:
         blocks = [(layer, mods) for layer, mods in blocks if layer in set(layers)]
     traces = {layer: {"x": [], "h": []} for layer, _ in blocks}
     cached = cache_dir is not None and all((cache_dir / f"mlp{layer}.pt").is_file()
                                            for layer, _ in blocks)
+    if cache_dir is not None:
+        _check_cache_tokens(cache_dir, ids, recorded=any(cache_dir.glob("mlp*.pt")))
     if not cached:
         handles = []
         for layer, mods in blocks:
@@ -147,6 +177,9 @@ def record(model, ids: torch.Tensor, cache_dir: Path | None = None,
             traces[layer] = {k: torch.cat(v) for k, v in traces[layer].items()}
             if cache_dir is not None:
                 cache_dir.mkdir(parents=True, exist_ok=True)
+                # the tokens first: a run stopped between two layers leaves a cache that says
+                # what it is of
+                (cache_dir / CACHE_TOKENS).write_text(json.dumps(_fingerprint(ids)))
                 torch.save(traces[layer], cache_dir / f"mlp{layer}.pt")
     else:
         traces = {layer: torch.load(cache_dir / f"mlp{layer}.pt") for layer, _ in blocks}

@@ -36,6 +36,26 @@ def test_calibration_end_to_end(tiny, tmp_path):
     assert torch.equal(again[1].x, cal.record(model, ids, None, progress=False)[1].x)
 
 
+def test_activation_cache_is_of_its_tokens(tiny, tmp_path):
+    """A cache folder resumes only a run on the same tokens: other tokens (another text, count
+    or held-out split), or a cache that does not say what tokens it holds, is an error naming
+    the folder, and nothing is reused."""
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 300), generator=torch.Generator().manual_seed(0))
+    cache = tmp_path / "cache"
+    first = cal.record(model, ids, cache, progress=False)
+    again = cal.record(model, ids, cache, progress=False)
+    assert torch.equal(again[1].h, first[1].h)
+    with pytest.raises(ValueError, match="other calibration tokens.*300 tokens"):
+        cal.record(model, ids[:, :-20], cache, progress=False)
+    with pytest.raises(ValueError, match="other calibration tokens"):
+        cal.record(model, ids.flip(1), cache, progress=False)
+    (cache / cal.CACHE_TOKENS).unlink()
+    with pytest.raises(ValueError, match="without the fingerprint"):
+        cal.record(model, ids, cache, progress=False)
+    assert cal.record(model, ids, tmp_path / "fresh", progress=False)[1].h.shape == first[1].h.shape
+
+
 def test_calibration_with_lookahead(tiny, tmp_path):
     model = tiny("llama")
     ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
