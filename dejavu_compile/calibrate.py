@@ -156,6 +156,11 @@ def record(model, ids: torch.Tensor, cache_dir: Path | None = None,
     if cache_dir is not None:
         _check_cache_tokens(cache_dir, ids, recorded=any(cache_dir.glob("mlp*.pt")))
     if not cached:
+        if cache_dir is not None:
+            # the tokens first: a run stopped between two layers leaves a cache that says what
+            # it is of
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            (cache_dir / CACHE_TOKENS).write_text(json.dumps(_fingerprint(ids)))
         handles = []
         for layer, mods in blocks:
             def keep_x(mod, args, layer=layer):
@@ -176,10 +181,6 @@ def record(model, ids: torch.Tensor, cache_dir: Path | None = None,
         for layer in traces:
             traces[layer] = {k: torch.cat(v) for k, v in traces[layer].items()}
             if cache_dir is not None:
-                cache_dir.mkdir(parents=True, exist_ok=True)
-                # the tokens first: a run stopped between two layers leaves a cache that says
-                # what it is of
-                (cache_dir / CACHE_TOKENS).write_text(json.dumps(_fingerprint(ids)))
                 torch.save(traces[layer], cache_dir / f"mlp{layer}.pt")
     else:
         traces = {layer: torch.load(cache_dir / f"mlp{layer}.pt") for layer, _ in blocks}

@@ -1,6 +1,7 @@
 """The decode attention's two ways of merging its chunks, timed as a decode step runs them, on
 a CUDA GPU: one launch per layer whose last program merges (``counters`` given, the lower
-pass's default) against the split launch plus a combine launch. 32 layers, each with a cache
+pass's option ``merge_attention``) against the split launch plus a combine launch (its
+default). 32 layers, each with a cache
 of its own, are captured in one CUDA graph and replayed, so launch gaps count as in a step.
 
 For Llama-3-8B's attention (32 query heads, 8 KV heads) and OPT-13B's (40 and 40), head size

@@ -11,9 +11,10 @@ programs run at once (the cache of one head is too long a stream for one program
    chunks to a common maximum and sums them (``_merge_chunks``).
 
 Given ``counters`` (int32, one per batch x KV head, zero between calls: the lower pass attaches
-them to each call it makes), the split kernel merges the chunks itself and step 2 is not
-launched: each program counts itself done for its KV head, and the last of them merges the
-group's chunks and sets the count back to zero. A decode step has one launch fewer per layer.
+them to each call it makes under option ``merge_attention``), the split kernel merges the
+chunks itself and step 2 is not launched: each program counts itself done for its KV head, and
+the last of them merges the group's chunks and sets the count back to zero. A decode step has
+one launch fewer per layer.
 
 The cache is read exactly once. Reference: ``kernels/reference.py::decode_attention``.
 """
