@@ -8,7 +8,14 @@ loop that Triton software-pipelines. Prints the 12 fastest of each shape with GB
 bytes read. About 3 minutes per shape on an H200 (compiling each config):
 
     python examples/down_kernel_study.py            # needs a CUDA GPU
+
+``--flags`` times the package's own ``_down_kernel`` on the Llama-3-8B down projection at
+density 0.5 as the decode step runs it (gated, SiLU, finishing its output, leaving its
+workspace zero) against the plain ReLU form the study above times, over a grid of fixed
+configs, and the whole op (up and down kernels) against its two kernels apart: what the step's
+extra work costs, and whether the autotuned tile is the best one for it.
 """
+import argparse
 import itertools
 
 import torch
@@ -115,8 +122,71 @@ def study(name: str, n: int, k: int, dout: int) -> None:
         print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  {what} {extra}", flush=True)
 
 
+FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8, 8),
+                (32, 512, 4, 4), (32, 256, 8, 4), (64, 256, 8, 8), (64, 128, 8, 4),
+                (32, 128, 16, 4), (16, 256, 16, 4), (16, 1024, 8, 8), (16, 1024, 4, 4)]
+
+
+def flags_study(n: int = 14336, k: int = 7168, d: int = 4096) -> None:
+    """The package's down kernel with the decode step's flags, and the whole sparse MLP."""
+    from dejavu_compile.kernels import ops
+    from dejavu_compile.kernels import triton_common as tc
+
+    w1s = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
+    wus = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
+    w2s = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
+    # half of every bucket of 128 neurons, as the bucketed selector picks them
+    ids = torch.cat([b * 128 + torch.randperm(128, device="cuda")[:64].sort().values
+                     for b in range(n // 128)])[:k].view(1, k)
+    x = torch.randn(1, d, device="cuda", dtype=torch.float16)
+    ws = torch.zeros(ops.workspace_numel(1, d, k, gated=True), device="cuda")
+    gb = k * d * 2 / 1e9
+    full = bench(lambda i: sm.sparse_mlp(x, ids, w1s[i], None, wus[i], w2s[i], None, "silu",
+                                         workspace=ws))
+    print(f"== whole sparse MLP (up + down, workspace): {full * 1e3:.1f} us, "
+          f"{3 * gb / full * 1e3:.0f} GB/s", flush=True)
+    pre = torch.randn(2, 1, k, device="cuda")
+    up = bench(lambda i: sm._launch_up(x, ids, w1s[i], wus[i], pre[0], pre[1], pre[None],
+                                       True, False))
+    print(f"   up kernel alone: {up * 1e3:.1f} us, {2 * gb / up * 1e3:.0f} GB/s "
+          f"({sm._up_kernel.best_config})", flush=True)
+
+    def step_form(i, fixed=None, clean=True, gated=True):
+        tgt = tc.workspace_targets(ws, 1, d, 2 * k, k, torch.float16)
+        _, sums, cnt, fin, cl = tgt
+        meta = dict(fixed=fixed) if fixed else {}
+        tc.launch(sm._down_kernel,
+                  lambda m: (1, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                             triton.cdiv(d, m["BLOCK_D"])),
+                  pre[0], pre[1], ids, w2s[i], w2s[i], sums[None], fin, w2s[i], cnt, cl,
+                  d, k, k, k, w2s[i].stride(0), 1, d, 0,
+                  ACT=tc.ACT_CODES["silu" if gated else "relu"], HAS_B1=False, GATED=gated,
+                  ATOMIC=True, FUSED=clean, HAS_B2=False, CLEAN=clean, **meta)
+
+    forms = [("step form (gated, SiLU, finish, clean)", dict(clean=True, gated=True)),
+             ("gated, SiLU, no finish or clean", dict(clean=False, gated=True)),
+             ("ReLU, no finish or clean", dict(clean=False, gated=False))]
+    for name, kw in forms:
+        auto = bench(lambda i, kw=kw: step_form(i, **kw))
+        print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
+              f"{gb / auto * 1e3:.0f} GB/s ({sm._down_kernel.best_config})", flush=True)
+        for bn, bd, tiles, warps in FLAG_CONFIGS:
+            cfg = {"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles, "num_warps": warps,
+                   "num_stages": 3}
+            t = bench(lambda i, kw=kw, cfg=cfg: step_form(i, fixed=cfg, **kw))
+            print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  bn{bn} bd{bd} t{tiles} "
+                  f"w{warps}", flush=True)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flags", action="store_true",
+                        help="the package's down kernel in the decode step's form")
+    args = parser.parse_args()
     torch.manual_seed(0)
+    if args.flags:
+        flags_study()
+        return
     for shape in SHAPES:
         study(*shape)
 
