@@ -594,9 +594,15 @@ class Calibration:
     blend: dict[float, float] = dataclasses.field(default_factory=dict)
     greedy: dict[int, float] = dataclasses.field(default_factory=dict)  # densities before it
     target_density: float = DEFAULT_TARGET_DENSITY  # the byte target the profile was made for
-    # with max_ppl_increase: each byte target tried -> its allocation's perplexity increase on
-    # the held-out tokens (a fraction: 0.03 is +3%)
+    # with max_ppl_increase: each byte target tried -> the perplexity increase on the held-out
+    # tokens (a fraction: 0.03 is +3%) of the allocation kept for it, the better of the
+    # adaptive one and the uniform spread; and the uniform spread's own
     search: dict[float, float] = dataclasses.field(default_factory=dict)
+    search_uniform: dict[float, float] = dataclasses.field(default_factory=dict)
+    # whether the written profile is the uniform spread, which did better than the adaptive
+    # allocation (on the held-out tokens, or with mixed selectors and a byte budget by joint
+    # loss on the sensitivity tokens); its ``-uniform`` twin is then the same allocation
+    uniform_kept: bool = False
 
 
 def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
@@ -633,7 +639,15 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     of ``SEARCH_STEPS``, densest first, and the sparsest whose perplexity on the held-out
     tokens stays within the budget is written (every layer dense if none does). The search
     stops at the first target over budget (a lower target's greedy allocation extends a
-    higher one's); ``Calibration.search`` holds what each target tried gave."""
+    higher one's); ``Calibration.search`` holds what each target tried gave.
+
+    The uniform spread of the same bytes is a candidate too: with ``max_ppl_increase`` each
+    target keeps whichever of the two does better on the held-out tokens, and with a byte
+    budget and more than the predictor selector (no blend there) whichever has the lower joint
+    loss on the sensitivity tokens (``Calibration.blend`` weights 1 and 0). Measured on
+    SmolLM2-135M the adaptive allocation over mixed selectors lost to the uniform gate spread
+    on the evaluation text (README), so the written profile is never the worse of the two on
+    what the calibrator can measure; ``Calibration.uniform_kept`` says which it is."""
     unknown = set(selectors) - set(CALIBRATION_SELECTORS)
     if unknown or not selectors:
         raise ValueError(f"selectors must be among {CALIBRATION_SELECTORS}, got {selectors}")
@@ -742,8 +756,8 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 "threshold": threshold_hooks()}
 
     def allocation(target: float):
-        """(chosen options, greedy options, uniform spread, its selector, blend losses) for a
-        byte target."""
+        """(chosen options, greedy options, uniform spread, its selector, blend losses, whether
+        the chosen options are the uniform spread) for a byte target."""
         chosen = greedy_options = allocate_options(options, target)
         # the uniform twin spreads the same budget evenly, with the selector most layers chose
         kinds = [o.selector for o in chosen.values() if o.selector != "dense"]
@@ -756,8 +770,17 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             spread = {t.layer: 1.0 if t.layer == 0 else round(d, 4) for t in traces}
         else:
             spread = uniform(errors, dense_b, pred_b, target)
-        blend = {}
-        if set(kinds) == {"predictor"}:
+        blend, flat_kept = {}, False
+        if set(kinds) - {"predictor"} and validation is None:
+            # no blend across selectors: the adaptive allocation or the uniform spread, by
+            # joint loss on the sensitivity tokens
+            flat = spread_options(spread, kind)
+            blend = {1.0: allocation_loss(model, traces, sample, chosen, hooks_by),
+                     0.0: allocation_loss(model, traces, sample, flat, hooks_by)}
+            log.info("allocation: joint loss %.4f adaptive, %.4f uniform", blend[1.0], blend[0.0])
+            if blend[0.0] < blend[1.0]:
+                chosen, flat_kept = flat, True
+        elif set(kinds) == {"predictor"}:
             greedy = {layer: o.density for layer, o in chosen.items()}
             dens, blend = blend_allocation(
                 greedy, spread, dense_b, pred_b, target,
@@ -766,11 +789,12 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                      {w: round(v, 4) for w, v in blend.items()})
             chosen = {layer: Option("predictor" if d < 1.0 else "dense", d, 0.0, 0.0)
                       for layer, d in dens.items()}
-        return chosen, greedy_options, spread, kind, blend
+        return chosen, greedy_options, spread, kind, blend, flat_kept
 
     search: dict[float, float] = {}
+    search_uniform: dict[float, float] = {}
     if validation is None:
-        chosen, greedy_options, spread, kind, blend = allocation(target_density)
+        chosen, greedy_options, spread, kind, blend, uniform_kept = allocation(target_density)
     else:
         base = allocation_loss(model, traces, validation, {}, hooks_by)
         target_density, found = 1.0, allocation(1.0)
@@ -779,19 +803,29 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 tried = allocation(target)
             except ValueError:  # below what the densities and selectors can reach
                 break
-            loss = allocation_loss(model, traces, validation, tried[0], hooks_by)
-            search[target] = math.exp(loss - base) - 1
-            log.info("byte target %.2f: held-out perplexity %+.2f%%", target,
-                     100 * search[target])
+            flat = spread_options(tried[2], tried[3])
+            adaptive_loss = allocation_loss(model, traces, validation, tried[0], hooks_by)
+            uniform_loss = allocation_loss(model, traces, validation, flat, hooks_by)
+            search_uniform[target] = math.exp(uniform_loss - base) - 1
+            if uniform_loss < adaptive_loss:
+                tried = (flat, *tried[1:5], True)
+            search[target] = math.exp(min(adaptive_loss, uniform_loss) - base) - 1
+            log.info("byte target %.2f: held-out perplexity %+.2f%% adaptive, %+.2f%% uniform",
+                     target, 100 * (math.exp(adaptive_loss - base) - 1),
+                     100 * search_uniform[target])
             if search[target] > max_ppl_increase:
                 break
             target_density, found = target, tried
-        chosen, greedy_options, spread, kind, blend = found
+        chosen, greedy_options, spread, kind, blend, uniform_kept = found
     adaptive = build(chosen, out)
-    flat = build({layer: Option(kind if d < 1.0 else "dense", d, 0.0, 0.0)
-                  for layer, d in spread.items()},
-                 out.with_name(f"{out.stem}-uniform{out.suffix}"))
-    return Calibration(adaptive, flat, predictors, quality, blend,
+    twin = build(spread_options(spread, kind), out.with_name(f"{out.stem}-uniform{out.suffix}"))
+    return Calibration(adaptive, twin, predictors, quality, blend,
                        {layer: o.density for layer, o in greedy_options.items()},
-                       target_density, search)
+                       target_density, search, search_uniform, uniform_kept)
+
+
+def spread_options(spread: dict[int, float], kind: str) -> dict[int, Option]:
+    """The uniform spread ``spread`` (layer -> density) as allocation options of ``kind``."""
+    return {layer: Option(kind if d < 1.0 else "dense", d, 0.0, 0.0)
+            for layer, d in spread.items()}
 

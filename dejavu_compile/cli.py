@@ -75,12 +75,17 @@ def _calibrate(args) -> int:
             line += f"  (predictor recall at density {calibrate.TRAIN_DENSITY}: {q['recall']:.3f})"
         print(line)
     if cal.search:
-        tried = ", ".join(f"{t:.2f}: {100 * inc:+.2f}%" for t, inc in cal.search.items())
-        print(f"held-out perplexity by byte target ({tried}); kept {cal.target_density:.2f}")
+        tried = ", ".join(f"{t:.2f}: {100 * inc:+.2f}% (uniform {100 * cal.search_uniform[t]:+.2f}%)"
+                          for t, inc in cal.search.items())
+        print(f"held-out perplexity by byte target, the better of adaptive and uniform "
+              f"({tried}); kept {cal.target_density:.2f}")
     if cal.blend:
         tried = ", ".join(f"{w:g}: {loss:.4f}" for w, loss in cal.blend.items())
         print(f"joint loss by weight of the greedy allocation against uniform ({tried}); "
               f"kept {min(cal.blend, key=cal.blend.get):g}")
+    if cal.uniform_kept:
+        print("the uniform spread did better than the adaptive allocation: the profile is the "
+              "uniform spread (the same as its -uniform twin)")
     print(f"wrote {cal.profile.path} and {cal.uniform_profile.path}")
     return 0
 

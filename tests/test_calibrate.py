@@ -303,6 +303,38 @@ def test_calibration_with_gate_selector(tiny, tmp_path):
     assert load_profile(tmp_path / "gate-uniform.yaml").layer(1).mlp.selector == "gate"
 
 
+@pytest.mark.parametrize("uniform_wins", [True, False])
+def test_mixed_selectors_keep_the_better_of_adaptive_and_uniform(tiny, tmp_path, monkeypatch,
+                                                                  uniform_wins):
+    """With a byte budget and more than the predictor selector (no blend across selectors),
+    the profile is the adaptive allocation or the uniform spread, whichever has the lower joint
+    loss on the sensitivity tokens; both losses are recorded. The joint loss is replaced by one
+    that favours the spread or the adaptive allocation."""
+    model = tiny("llama")
+    ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    spreads, spread_options = [], cal.spread_options
+    monkeypatch.setattr(cal, "spread_options",
+                        lambda *a: spreads.append(spread_options(*a)) or spreads[-1])
+
+    def loss(model, traces, ids, chosen, hooks):
+        flat = any(chosen is s for s in spreads)
+        return 1.0 if flat == uniform_wins else 2.0
+
+    monkeypatch.setattr(cal, "allocation_loss", loss)
+    result = cal.calibrate(model, ids, "tiny-llama", tmp_path / "mixed.yaml", target_density=0.7,
+                           selectors=("gate", "threshold"), progress=False)
+    assert set(result.blend) == {0.0, 1.0}
+    assert result.uniform_kept == uniform_wins
+    twin = load_profile(tmp_path / "mixed-uniform.yaml")
+    written = [(layer.mlp.selector, layer.mlp.density) for layer in result.profile.layers]
+    spread = [(layer.mlp.selector, layer.mlp.density) for layer in twin.layers]
+    greedy = [result.greedy.get(layer.index, 1.0) for layer in result.profile.layers]
+    if uniform_wins:
+        assert written == spread
+    else:
+        assert [d for _, d in written] == greedy
+
+
 def test_calibration_with_threshold_selector(tiny, tmp_path):
     model = tiny("opt")
     ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
@@ -333,6 +365,12 @@ def test_calibration_within_a_perplexity_budget(tiny, tmp_path, monkeypatch):
     assert loose.search and all(t in cal.SEARCH_STEPS for t in loose.search)
     assert loose.target_density == min(loose.search) < 1.0  # the sparsest reachable
     assert loose.profile.layer(1).mlp.density < 1.0
+    # each target kept the better of the adaptive allocation and the uniform spread
+    assert set(loose.search_uniform) == set(loose.search)
+    assert all(loose.search[t] <= loose.search_uniform[t] for t in loose.search)
+    twin = load_profile(tmp_path / "loose-uniform.yaml")
+    same = [a.mlp.density for a in loose.profile.layers] == [b.mlp.density for b in twin.layers]
+    assert same or not loose.uniform_kept
 
     budget = sorted(loose.search.values())[len(loose.search) // 2]
     mid = cal.calibrate(model, ids, "tiny-llama", tmp_path / "mid.yaml",
