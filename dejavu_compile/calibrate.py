@@ -789,6 +789,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                      {w: round(v, 4) for w, v in blend.items()})
             chosen = {layer: Option("predictor" if d < 1.0 else "dense", d, 0.0, 0.0)
                       for layer, d in dens.items()}
+            flat_kept = bool(blend) and min(blend, key=blend.get) == 0.0  # weight 0: uniform
         return chosen, greedy_options, spread, kind, blend, flat_kept
 
     search: dict[float, float] = {}

@@ -82,6 +82,9 @@ class DejavuOptions:
         fused or not) run through ``dejavu::gemv``, a Triton GEMV that reads whole weight rows
         in one launch, instead of the inner compiler's GEMM (``kernels/dense.py``). The
         language-model head and other linears are left alone; on CPU the op is ``F.linear``.
+        On an H200 (Llama-3-8B, three runs in the twelfth session, BENCHMARKS.md) it was
+        faster back to back in every run (3.78-3.80 against 3.85-3.92 ms) with 33 fewer
+        launches and a cheaper graph launch; off by default until it is measured on OPT-13B.
     decode_attention: where a decode step's attention (SDPA with one query token, a boolean or no
         key mask, no dropout) runs as ``dejavu::decode_attention``, the split-K Triton kernel
         that reads each KV head once for its group of query heads (``kernels/
