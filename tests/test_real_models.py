@@ -107,7 +107,8 @@ def test_retrieval_harness_on_smollm2(loads):
     assert sel.kept_tokens == kv.budget_for(trial.ids.shape[1], 0.3)
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "gemma3-270m.yaml"])
+@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-ppl3.yaml",
+                                  "gemma3-270m.yaml"])
 def test_shipped_profiles_fit_their_models(name, loads):
     from pathlib import Path
 
