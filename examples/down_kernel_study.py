@@ -10,10 +10,10 @@ bytes read. About 3 minutes per shape on an H200 (compiling each config):
     python examples/down_kernel_study.py            # needs a CUDA GPU
 
 ``--flags`` times the package's own ``_down_kernel`` on the Llama-3-8B down projection at
-density 0.5 as the decode step runs it (gated, SiLU, finishing its output, leaving its
-workspace zero) against the plain ReLU form the study above times, over a grid of fixed
-configs, and the whole op (up and down kernels) against its two kernels apart: what the step's
-extra work costs, and whether the autotuned tile is the best one for it.
+density 0.5 (``--shape opt``: OPT-13B's at 0.1) as the decode step runs it (gated with SiLU,
+or ReLU with biases; finishing its output, leaving its workspace zero) against plainer forms,
+over a grid of fixed configs, and the whole op (up and down kernels) against its up kernel:
+what the step's extra work costs, and whether the autotuned tile is the best one for it.
 """
 import argparse
 import itertools
@@ -127,45 +127,59 @@ FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8,
                 (32, 128, 16, 4), (16, 256, 16, 4), (16, 1024, 8, 8), (16, 1024, 4, 4)]
 
 
-def flags_study(n: int = 14336, k: int = 7168, d: int = 4096) -> None:
+# the decode step's sparse MLP at issue 4's operating points: (units, selected per bucket of
+# 128, d, gated with SiLU or ReLU with biases)
+FLAG_SHAPES = {"llama": (14336, 64, 4096, True), "opt": (20480, 13, 5120, False)}
+
+
+def flags_study(shape: str = "llama") -> None:
     """The package's down kernel with the decode step's flags, and the whole sparse MLP."""
     from dejavu_compile.kernels import ops
     from dejavu_compile.kernels import triton_common as tc
 
+    n, per_bucket, d, gated = FLAG_SHAPES[shape]
+    act = "silu" if gated else "relu"
     w1s = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
     wus = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
     w2s = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
-    # half of every bucket of 128 neurons, as the bucketed selector picks them
-    ids = torch.cat([b * 128 + torch.randperm(128, device="cuda")[:64].sort().values
-                     for b in range(n // 128)])[:k].view(1, k)
+    b1 = None if gated else torch.randn(n, device="cuda", dtype=torch.float16)
+    b2 = None if gated else torch.randn(d, device="cuda", dtype=torch.float16)
+    # the same count from every bucket of 128 neurons, as the bucketed selector picks them
+    ids = torch.cat([b * 128 + torch.randperm(128, device="cuda")[:per_bucket].sort().values
+                     for b in range(n // 128)]).view(1, -1)
+    k = ids.shape[1]
     x = torch.randn(1, d, device="cuda", dtype=torch.float16)
     ws = torch.zeros(ops.workspace_numel(1, d, k, gated=True), device="cuda")
-    gb = k * d * 2 / 1e9
-    full = bench(lambda i: sm.sparse_mlp(x, ids, w1s[i], None, wus[i], w2s[i], None, "silu",
-                                         workspace=ws))
-    print(f"== whole sparse MLP (up + down, workspace): {full * 1e3:.1f} us, "
-          f"{3 * gb / full * 1e3:.0f} GB/s", flush=True)
+    gb, n_up = k * d * 2 / 1e9, 2 if gated else 1
+    full = bench(lambda i: sm.sparse_mlp(x, ids, w1s[i], b1, wus[i] if gated else None, w2s[i],
+                                         b2, act, workspace=ws))
+    print(f"== {shape}: k={k} of {n}, d={d}; whole sparse MLP (up + down, workspace): "
+          f"{full * 1e3:.1f} us, {(n_up + 1) * gb / full * 1e3:.0f} GB/s", flush=True)
     pre = torch.randn(2, 1, k, device="cuda")
-    up = bench(lambda i: sm._launch_up(x, ids, w1s[i], wus[i], pre[0], pre[1], pre[None],
-                                       True, False))
-    print(f"   up kernel alone: {up * 1e3:.1f} us, {2 * gb / up * 1e3:.0f} GB/s "
+    up = bench(lambda i: sm._launch_up(x, ids, w1s[i], wus[i] if gated else w1s[i], pre[0],
+                                       pre[1] if gated else pre[0], pre[None], gated, False))
+    print(f"   up kernel alone: {up * 1e3:.1f} us, {n_up * gb / up * 1e3:.0f} GB/s "
           f"({sm._up_kernel.best_config})", flush=True)
 
-    def step_form(i, fixed=None, clean=True, gated=True):
-        tgt = tc.workspace_targets(ws, 1, d, 2 * k, k, torch.float16)
-        _, sums, cnt, fin, cl = tgt
+    def step_form(i, fixed=None, clean=True, plain=False):
+        """The down kernel as the step runs it, or ``plain``: ReLU, no gate, no biases."""
+        _, sums, cnt, fin, cl = tc.workspace_targets(ws, 1, d, n_up * k, k, torch.float16)
         meta = dict(fixed=fixed) if fixed else {}
+        bias = not gated and not plain
         tc.launch(sm._down_kernel,
                   lambda m: (1, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                              triton.cdiv(d, m["BLOCK_D"])),
-                  pre[0], pre[1], ids, w2s[i], w2s[i], sums[None], fin, w2s[i], cnt, cl,
+                  pre[0], pre[1], ids, b1 if bias else w2s[i], w2s[i], sums[None], fin,
+                  b2 if bias else w2s[i], cnt, cl,
                   d, k, k, k, w2s[i].stride(0), 1, d, 0,
-                  ACT=tc.ACT_CODES["silu" if gated else "relu"], HAS_B1=False, GATED=gated,
-                  ATOMIC=True, FUSED=clean, HAS_B2=False, CLEAN=clean, **meta)
+                  ACT=tc.ACT_CODES["relu" if plain else act], HAS_B1=bias,
+                  GATED=gated and not plain, ATOMIC=True, FUSED=clean, HAS_B2=bias and clean,
+                  CLEAN=clean, **meta)
 
-    forms = [("step form (gated, SiLU, finish, clean)", dict(clean=True, gated=True)),
-             ("gated, SiLU, no finish or clean", dict(clean=False, gated=True)),
-             ("ReLU, no finish or clean", dict(clean=False, gated=False))]
+    what = "gated, SiLU" if gated else "ReLU, biases"
+    forms = [(f"step form ({what}, finish, clean)", dict(clean=True)),
+             (f"{what}, no finish or clean", dict(clean=False)),
+             ("ReLU, no gate, bias, finish or clean", dict(clean=False, plain=True))]
     for name, kw in forms:
         auto = bench(lambda i, kw=kw: step_form(i, **kw))
         print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
@@ -182,10 +196,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flags", action="store_true",
                         help="the package's down kernel in the decode step's form")
+    parser.add_argument("--shape", choices=sorted(FLAG_SHAPES), default="llama",
+                        help="with --flags: Llama-3-8B at MLP density 0.5 or OPT-13B at 0.1")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.flags:
-        flags_study()
+        flags_study(args.shape)
         return
     for shape in SHAPES:
         study(*shape)
