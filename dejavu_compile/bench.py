@@ -594,7 +594,7 @@ def weight_bytes(model) -> int:
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
-         "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge")
+         "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -626,6 +626,9 @@ _DEJAVU_MODES = {
     # dejavu_sparse with the decode attention's chunks merged by its split kernel's last
     # programs instead of a combine launch of their own
     "dejavu_merge": (True, False, BUCKET_UNITS, {"merge_attention": True}),
+    # dejavu_sparse with the step cut into three CUDA graphs (layers 0-1, 2-7, the rest), so
+    # the GPU starts on the first while the host launches the others (option graph_splits)
+    "dejavu_split": (True, False, BUCKET_UNITS, {"graph_splits": (2, 8)}),
 }
 
 

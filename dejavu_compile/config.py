@@ -106,6 +106,15 @@ class DejavuOptions:
         at ``f3622db``) the merging split kernel took 337 us a Llama-3-8B step against 103 +
         114 us for split and combine launches, and the step 5.57 against 5.35 ms (4.54 against
         4.43 back to back). Bench mode ``dejavu_merge`` turns it on.
+    graph_splits: layers before which the captured decode step is cut into another CUDA
+        graph (with ``cudagraphs``): ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the
+        rest. A graph's launch costs the host time in proportion to its kernels, and the GPU
+        starts a graph only once its launch returns (on an H200 a step's time came out close to
+        the host's time plus the GPU's: BENCHMARKS.md, twelfth session), so a small first graph
+        lets the GPU start while the host launches the rest. The cut is a ``dejavu::graph_split``
+        op (a copy of the layer's block input) that Inductor's graph partition runs outside the
+        graphs. A cut that a lookahead predictor's side stream would straddle is left out and
+        counted in the report (``graph_split_skipped``). Not yet measured on a GPU.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -130,6 +139,7 @@ class DejavuOptions:
     reorder_for_locality: bool = False
     workspaces: bool = True
     merge_attention: bool = False
+    graph_splits: tuple[int, ...] = ()
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -163,6 +173,14 @@ class DejavuOptions:
         if self.inner not in INNER_COMPILERS:
             raise ValueError(f"option 'inner' must be one of {INNER_COMPILERS}, got {self.inner!r}")
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        splits = self.graph_splits
+        if isinstance(splits, (str, bytes)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in splits):
+            raise ValueError(f"option 'graph_splits' must be layer numbers >= 1, got {splits!r}")
+        object.__setattr__(self, "graph_splits", tuple(sorted(set(splits))))
+        if self.graph_splits and not self.cudagraphs:
+            raise ValueError("option 'graph_splits' cuts the CUDA graphs of a step: it needs "
+                             "cudagraphs=True")
         if self.cudagraphs and self.inner != "inductor":
             raise ValueError("option 'cudagraphs' needs inner='inductor'")
         if self.profile is None:

@@ -270,3 +270,22 @@ def _(x, w, b):
     if w.dim() != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"gemv: weight {tuple(w.shape)} does not fit x {tuple(x.shape)}")
     return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+# the tag that makes Inductor's graph partition run an op between CUDA graphs (recent torch)
+CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+@torch.library.custom_op(f"{_LIB}::graph_split", mutates_args=(),
+                         tags=(CUDAGRAPH_UNSAFE,) if CUDAGRAPH_UNSAFE is not None else ())
+def graph_split(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` that the inner compiler runs outside CUDA graphs (its
+    ``cudagraph_unsafe`` tag; Inductor's graph partition), so the captured decode step is cut
+    there into two graphs, launched one after the other: the GPU starts on the first while the
+    host launches the second (``DejavuOptions.graph_splits``)."""
+    return x.clone()
+
+
+@graph_split.register_fake
+def _(x):
+    return torch.empty_like(x)

@@ -294,6 +294,37 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
         ctx.counters.add("dense_gemv")
 
 
+def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+    """Cut the step before each layer of ``DejavuOptions.graph_splits`` that this graph holds:
+    the input of the layer's first block (its attention's, else its MLP's) goes through
+    ``dejavu::graph_split``, which the inner compiler runs between two CUDA graphs. A cut that
+    a lookahead side stream would cross (its fork before, its join after) is left out."""
+    from dejavu_compile.kernels.ops import CUDAGRAPH_UNSAFE
+
+    if CUDAGRAPH_UNSAFE is None:
+        raise RuntimeError(f"option 'graph_splits' needs a torch with torch.Tag.cudagraph_unsafe "
+                           f"(Inductor's graph partition); this is {torch.__version__}")
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    forks = [(order[n], max(order[u] for u in n.users)) for n in graph.nodes
+             if is_op(n, "predict_ahead") and n.users]
+    for layer in ctx.options.graph_splits:
+        x = ctx.inputs.get((layer, "attention"), ctx.inputs.get((layer, "mlp")))
+        if x is None or x not in order:
+            continue
+        at = order[x]
+        if any(fork <= at < join for fork, join in forks):
+            ctx.counters.add("graph_split_skipped")
+            continue
+        users = list(x.users)
+        with graph.inserting_after(x):
+            cut = graph.call_function(torch.ops.dejavu.graph_split.default, (x,))
+        set_val(cut, fake_mode)
+        for user in users:
+            user.replace_input_with(x, cut)
+        ctx.counters.add("graph_split")
+
+
 # SDPA's arguments after query, key and value, in order, with their defaults
 _SDPA_ARGS = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
               ("enable_gqa", False))
@@ -514,6 +545,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         decode_attention(gm, ctx, fake_mode)
     if ctx.options.workspaces:
         workspaces(gm, ctx, fake_mode)
+    if ctx.options.graph_splits:
+        graph_splits(gm, ctx, fake_mode)
     graph.lint()
     gm.recompile()
     return gm

@@ -511,3 +511,83 @@ def test_readme_lists_every_option_with_its_default():
         assert f.name in rows, f"README's options table lacks {f.name!r}"
         want = "none" if f.default is None else f"`{f.default}`"
         assert rows[f.name].startswith(want), (f.name, rows[f.name], f.default)
+
+
+def test_graph_splits_cut_the_step_before_the_layers_asked():
+    """``graph_splits`` needs CUDA graphs and layer numbers from 1."""
+    base = {"selector": "oracle", "mlp_density": 0.5}
+    with pytest.raises(ValueError, match="needs cudagraphs=True"):
+        DejavuOptions.from_mapping({**base, "graph_splits": (2,)})
+    for bad in ((0,), (1.5,), "3", (True,)):
+        with pytest.raises(ValueError, match="graph_splits"):
+            DejavuOptions.from_mapping({**base, "cudagraphs": True, "graph_splits": bad})
+    opts = DejavuOptions.from_mapping({**base, "cudagraphs": True, "graph_splits": [3, 1, 3]})
+    assert opts.graph_splits == (1, 3)
+    assert dejavu_compile.backend.inductor_patches(opts)["graph_partition"] is True
+
+
+def test_graph_split_goes_before_the_layer_and_changes_nothing(tiny):
+    """Each graph holding layer 1 gets one ``dejavu::graph_split`` on that layer's attention
+    input, before every node that reads it; the logits are those without the cut (on CPU the
+    inner compiler has no CUDA graphs to cut)."""
+
+    def run(splits):
+        torch._dynamo.reset()
+        model = tiny("llama")
+        captured = []
+
+        def backend(gm, example_inputs):
+            compiled = dejavu_compile.backend.dejavu_backend(
+                gm, example_inputs, options={"selector": "oracle", "mlp_density": 0.5,
+                                             "cudagraphs": True, "graph_splits": splits})
+            captured.append((dejavu_compile.backend._REPORTS[-1].counters,
+                             [n for n in gm.graph.nodes]))
+            return compiled
+
+        with torch.no_grad():
+            logits = _decode_logits(torch.compile(model, backend=backend), prompt(), steps=2)
+        return logits, captured
+
+    got, captured = run((1,))
+    want, _ = run(())
+    torch.testing.assert_close(got, want, **FP32)
+    for counters, nodes in captured:
+        cuts = [n for n in nodes if n.op == "call_function"
+                and str(n.target) == "dejavu.graph_split.default"]
+        assert counters.get("graph_split", 0) == len(cuts) == 1
+        x = cuts[0].args[0]
+        assert set(x.users) == {cuts[0]}  # every reader of the layer's input reads the cut
+        order = {n: i for i, n in enumerate(nodes)}
+        first_sdpa = min(order[n] for n in nodes if n.op == "call_function"
+                         and "attention" in str(n.target))
+        assert order[cuts[0]] > first_sdpa  # after layer 0's attention, before layer 1's
+        assert all(order[u] > order[cuts[0]] for u in cuts[0].users)
+
+
+def test_graph_split_is_left_out_where_a_side_stream_crosses_it():
+    """A cut between a lookahead predictor's fork and its join would split one stream's work
+    across two graphs: it is skipped and counted."""
+    import torch.fx as fx
+    from dejavu_compile.passes import lower
+    from dejavu_compile.passes.context import PassContext
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    with mode:
+        x.meta["val"] = torch.empty(1, 1, 8)
+    fork = graph.call_function(torch.ops.dejavu.predict_ahead.default, (x,))
+    h = graph.call_function(torch.relu, (x,))
+    h.meta["val"] = x.meta["val"]
+    join = graph.call_function(torch.add, (h, fork))
+    join.meta["val"] = x.meta["val"]
+    graph.output(join)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    opts = DejavuOptions(selector="oracle", mlp_density=0.5, cudagraphs=True, graph_splits=(1, 2))
+    ctx = PassContext(opts, None, {}, [])
+    ctx.inputs = {(1, "attention"): h, (2, "mlp"): join}
+    lower.graph_splits(gm, ctx, mode)
+    cuts = [n for n in gm.graph.nodes if str(n.target) == "dejavu.graph_split.default"]
+    assert ctx.counters.values.get("graph_split_skipped") == 1  # layer 1: inside the fork span
+    assert [c.args[0] for c in cuts] == [join] and ctx.counters.values.get("graph_split") == 1

@@ -196,11 +196,14 @@ def test_only_the_sdpa_mode_turns_the_decode_attention_off():
 
     assert "dejavu_sdpa" in bench.MODES and "dejavu_sdpa" in bench.SPARSE_MODES
     for mode, (_, _, _, extra) in bench._DEJAVU_MODES.items():
-        options = DejavuOptions.from_mapping({"selector": "fixed", "mlp_density": 0.5, **extra})
+        # as end_to_end gives them: with the step captured in CUDA graphs
+        options = DejavuOptions.from_mapping({"selector": "fixed", "mlp_density": 0.5,
+                                              "cudagraphs": True, **extra})
         want = "never" if mode == "dejavu_sdpa" else DEFAULT_DECODE_ATTENTION
         assert options.decode_attention == want, mode
         assert options.workspaces == (mode != "dejavu_fill"), mode
         assert options.merge_attention == (mode == "dejavu_merge"), mode
+        assert bool(options.graph_splits) == (mode == "dejavu_split"), mode
 
 
 def test_tuned_configs_round_trip_through_json(monkeypatch, tmp_path):

@@ -92,7 +92,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
     kernels, ``dense_gemv``, the split-K decode attention with its mask read in place and its
     chunks merged in the same launch (option ``merge_attention``), which the lower pass puts in
-    place of SDPA) gives the logits of the step with SDPA and the default kernels, to the
+    place of SDPA, and the step cut into three CUDA graphs, option ``graph_splits``) gives the
+    logits of the step with SDPA and the default kernels, to the
     tolerance of fp16 sums added in another order; so does the step with zero-filled buffers
     instead of the workspaces kept zero, and a combine launch after the split kernel (option
     ``workspaces`` off and ``merge_attention`` at its default, off).
@@ -113,7 +114,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     for run, mode, extra in (("fill", "dejavu_sparse", {"workspaces": False}),
                              ("default", "dejavu_sparse", {"decode_attention": "never"}),
                              ("variants", "dejavu_store", {"dense_gemv": True,
-                                                           "merge_attention": True})):
+                                                           "merge_attention": True,
+                                                           "graph_splits": (2, 4)})):
         torch._dynamo.reset()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "selector": "fixed", "cudagraphs": True,
@@ -124,6 +126,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
         counts[run] = dejavu_compile.report(model).counters  # every graph compiled so far
     counters = counts["variants"]
     assert counters["dense_gemv"] > 0 and counters["decode_attention"] > 0, counters
+    # the variants' steps are cut into three CUDA graphs (option graph_splits)
+    assert counters["graph_split"] > 0, counters
     # the variants' decode attentions merge their chunks in one launch (the fill run's with a
     # combine launch of their own), and the sparse MLPs of the default step run on a
     # workspace left zero (no zero-fill launch)
