@@ -122,16 +122,16 @@ def _fingerprint(ids: torch.Tensor) -> dict:
     return {"tokens": int(ids.shape[-1]), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _check_cache_tokens(cache_dir: Path, ids: torch.Tensor, recorded: bool) -> None:
-    """Refuse a cache folder whose activations are of other tokens than ``ids`` (or of tokens
-    it cannot tell: recorded before the fingerprint was kept)."""
+def _check_cache_tokens(cache_dir: Path, want: dict, recorded: bool) -> None:
+    """Refuse a cache folder whose activations are of other tokens than those of fingerprint
+    ``want`` (or of tokens it cannot tell: recorded before the fingerprint was kept)."""
     path = cache_dir / CACHE_TOKENS
     if not path.is_file():
         if recorded:
             raise ValueError(f"cache {cache_dir} holds activations without the fingerprint of "
                              f"their tokens ({CACHE_TOKENS}): delete it or use another folder")
         return
-    have, want = json.loads(path.read_text()), _fingerprint(ids)
+    have = json.loads(path.read_text())
     if have != want:
         raise ValueError(f"cache {cache_dir} holds activations of other calibration tokens "
                          f"({have['tokens']} tokens, sha256 {have['sha256'][:12]}; these are "
@@ -154,13 +154,14 @@ def record(model, ids: torch.Tensor, cache_dir: Path | None = None,
     cached = cache_dir is not None and all((cache_dir / f"mlp{layer}.pt").is_file()
                                            for layer, _ in blocks)
     if cache_dir is not None:
-        _check_cache_tokens(cache_dir, ids, recorded=any(cache_dir.glob("mlp*.pt")))
+        fingerprint = _fingerprint(ids)
+        _check_cache_tokens(cache_dir, fingerprint, recorded=any(cache_dir.glob("mlp*.pt")))
     if not cached:
         if cache_dir is not None:
             # the tokens first: a run stopped between two layers leaves a cache that says what
             # it is of
             cache_dir.mkdir(parents=True, exist_ok=True)
-            (cache_dir / CACHE_TOKENS).write_text(json.dumps(_fingerprint(ids)))
+            (cache_dir / CACHE_TOKENS).write_text(json.dumps(fingerprint))
         handles = []
         for layer, mods in blocks:
             def keep_x(mod, args, layer=layer):
@@ -375,8 +376,8 @@ def joint_loss(model, traces: list[MLPTrace], ids: torch.Tensor, densities: dict
                hooks) -> float:
     """The model's mean next-token loss on ``ids`` with every layer below density 1.0 running
     its selector at once (``hooks`` as for ``_sensitivity``)."""
-    chosen = {layer: Option("predictor", d, 0.0, 0.0) for layer, d in densities.items()}
-    return allocation_loss(model, traces, ids, chosen, {"predictor": hooks})
+    return allocation_loss(model, traces, ids, density_options(densities, "predictor"),
+                           {"predictor": hooks})
 
 
 @torch.no_grad()
@@ -774,7 +775,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
         if set(kinds) - {"predictor"} and validation is None:
             # no blend across selectors: the adaptive allocation or the uniform spread, by
             # joint loss on the sensitivity tokens
-            flat = spread_options(spread, kind)
+            flat = density_options(spread, kind)
             blend = {1.0: allocation_loss(model, traces, sample, chosen, hooks_by),
                      0.0: allocation_loss(model, traces, sample, flat, hooks_by)}
             log.info("allocation: joint loss %.4f adaptive, %.4f uniform", blend[1.0], blend[0.0])
@@ -787,8 +788,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 lambda dens: joint_loss(model, learned, sample, dens, hooks_by["predictor"]))
             log.info("allocation: joint loss %s (weight of the greedy allocation: loss)",
                      {w: round(v, 4) for w, v in blend.items()})
-            chosen = {layer: Option("predictor" if d < 1.0 else "dense", d, 0.0, 0.0)
-                      for layer, d in dens.items()}
+            chosen = density_options(dens, "predictor")
             flat_kept = bool(blend) and min(blend, key=blend.get) == 0.0  # weight 0: uniform
         return chosen, greedy_options, spread, kind, blend, flat_kept
 
@@ -804,7 +804,7 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
                 tried = allocation(target)
             except ValueError:  # below what the densities and selectors can reach
                 break
-            flat = spread_options(tried[2], tried[3])
+            flat = density_options(tried[2], tried[3])
             adaptive_loss = allocation_loss(model, traces, validation, tried[0], hooks_by)
             uniform_loss = allocation_loss(model, traces, validation, flat, hooks_by)
             search_uniform[target] = math.exp(uniform_loss - base) - 1
@@ -819,14 +819,15 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
             target_density, found = target, tried
         chosen, greedy_options, spread, kind, blend, uniform_kept = found
     adaptive = build(chosen, out)
-    twin = build(spread_options(spread, kind), out.with_name(f"{out.stem}-uniform{out.suffix}"))
+    twin = build(density_options(spread, kind), out.with_name(f"{out.stem}-uniform{out.suffix}"))
     return Calibration(adaptive, twin, predictors, quality, blend,
                        {layer: o.density for layer, o in greedy_options.items()},
                        target_density, search, search_uniform, uniform_kept)
 
 
-def spread_options(spread: dict[int, float], kind: str) -> dict[int, Option]:
-    """The uniform spread ``spread`` (layer -> density) as allocation options of ``kind``."""
-    return {layer: Option(kind if d < 1.0 else "dense", d, 0.0, 0.0)
-            for layer, d in spread.items()}
+def density_options(densities: dict[int, float], selector: str) -> dict[int, Option]:
+    """Per-layer densities (a uniform spread, a blend) as allocation options of ``selector``,
+    ``dense`` where the density is 1."""
+    return {layer: Option(selector if d < 1.0 else "dense", d, 0.0, 0.0)
+            for layer, d in densities.items()}
 

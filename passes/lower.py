@@ -316,12 +316,10 @@ def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
         if any(fork <= at < join for fork, join in forks):
             ctx.counters.add("graph_split_skipped")
             continue
-        users = list(x.users)
         with graph.inserting_after(x):
             cut = graph.call_function(torch.ops.dejavu.graph_split.default, (x,))
         set_val(cut, fake_mode)
-        for user in users:
-            user.replace_input_with(x, cut)
+        x.replace_all_uses_with(cut, delete_user_cb=lambda user, cut=cut: user is not cut)
         ctx.counters.add("graph_split")
 
 

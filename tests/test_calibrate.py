@@ -312,9 +312,9 @@ def test_mixed_selectors_keep_the_better_of_adaptive_and_uniform(tiny, tmp_path,
     that favours the spread or the adaptive allocation."""
     model = tiny("llama")
     ids = torch.randint(3, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
-    spreads, spread_options = [], cal.spread_options
-    monkeypatch.setattr(cal, "spread_options",
-                        lambda *a: spreads.append(spread_options(*a)) or spreads[-1])
+    spreads, density_options = [], cal.density_options
+    monkeypatch.setattr(cal, "density_options",
+                        lambda *a: spreads.append(density_options(*a)) or spreads[-1])
 
     def loss(model, traces, ids, chosen, hooks):
         flat = any(chosen is s for s in spreads)
