@@ -140,7 +140,9 @@ def flags_study(shape: str = "llama") -> None:
     n, per_bucket, d, gated = FLAG_SHAPES[shape]
     act = "silu" if gated else "relu"
     w1s = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
-    wus = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
+    # a plain MLP has no up projection: its up kernel reads W1 in both places
+    wus = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64
+           for _ in range(LAYERS)] if gated else w1s
     w2s = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
     b1 = None if gated else torch.randn(n, device="cuda", dtype=torch.float16)
     b2 = None if gated else torch.randn(d, device="cuda", dtype=torch.float16)
@@ -156,7 +158,7 @@ def flags_study(shape: str = "llama") -> None:
     print(f"== {shape}: k={k} of {n}, d={d}; whole sparse MLP (up + down, workspace): "
           f"{full * 1e3:.1f} us, {(n_up + 1) * gb / full * 1e3:.0f} GB/s", flush=True)
     pre = torch.randn(2, 1, k, device="cuda")
-    up = bench(lambda i: sm._launch_up(x, ids, w1s[i], wus[i] if gated else w1s[i], pre[0],
+    up = bench(lambda i: sm._launch_up(x, ids, w1s[i], wus[i], pre[0],
                                        pre[1] if gated else pre[0], pre[None], gated, False))
     print(f"   up kernel alone: {up * 1e3:.1f} us, {n_up * gb / up * 1e3:.0f} GB/s "
           f"({sm._up_kernel.best_config})", flush=True)
