@@ -594,7 +594,8 @@ def weight_bytes(model) -> int:
 
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
-         "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split")
+         "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
+         "dejavu_split6")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -629,6 +630,8 @@ _DEJAVU_MODES = {
     # dejavu_sparse with the step cut into three CUDA graphs (layers 0-1, 2-7, the rest), so
     # the GPU starts on the first while the host launches the others (option graph_splits)
     "dejavu_split": (True, False, BUCKET_UNITS, {"graph_splits": (2, 8)}),
+    # the same cut into seven graphs, the first of one layer
+    "dejavu_split6": (True, False, BUCKET_UNITS, {"graph_splits": (1, 2, 4, 8, 16, 24)}),
 }
 
 
