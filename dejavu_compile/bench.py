@@ -595,7 +595,7 @@ def weight_bytes(model) -> int:
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
-         "dejavu_split6")
+         "dejavu_split6", "dejavu_split_ahead")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -632,6 +632,8 @@ _DEJAVU_MODES = {
     "dejavu_split": (True, False, BUCKET_UNITS, {"graph_splits": (2, 8)}),
     # the same cut into seven graphs, the first of one layer
     "dejavu_split6": (True, False, BUCKET_UNITS, {"graph_splits": (1, 2, 4, 8, 16, 24)}),
+    # dejavu_lookahead cut as dejavu_split: the predictors of layers 2 and 8 fork after the cut
+    "dejavu_split_ahead": (True, True, BUCKET_UNITS, {"graph_splits": (2, 8)}),
 }
 
 

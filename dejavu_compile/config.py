@@ -113,8 +113,11 @@ class DejavuOptions:
         the host's time plus the GPU's: BENCHMARKS.md, twelfth session), so a small first graph
         lets the GPU start while the host launches the rest. The cut is a ``dejavu::graph_split``
         op (a copy of the layer's block input) that Inductor's graph partition runs outside the
-        graphs. A cut that a lookahead predictor's side stream would straddle is left out and
-        counted in the report (``graph_split_skipped``). Not yet measured on a GPU.
+        graphs. A lookahead predictor whose side stream the cut would straddle is forked just
+        after the cut instead (``graph_split_fork_moved`` in the report); a cut that cannot be
+        made so is left out (``graph_split_skipped``). On an H200 (BENCHMARKS.md, thirteenth
+        session) ``(2, 8)`` made Llama-3-8B's step 5-7% faster in two runs of two, and OPT-13B's
+        3.9% slower in one; off by default.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.

@@ -46,9 +46,10 @@ def _events(device: torch.device, slot: int) -> tuple[torch.cuda.Event, torch.cu
     return _EVENTS[key]
 
 
-def predict_ahead(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int, slot: int
-                  ) -> torch.Tensor:
-    """``select_predictor`` on the side stream; returns ids [..., k * group] (see module doc)."""
+def predict_ahead(x, w1, b1, w2, b2, act: str, k: int, group: int, buckets: int, slot: int,
+                  after=None) -> torch.Tensor:
+    """``select_predictor`` on the side stream; returns ids [..., k * group] (see module doc).
+    ``after`` only orders the op in the graph (``dejavu::predict_ahead``)."""
     if not SIDE_STREAM:
         return predictor.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets)
     out = torch.empty(*x.shape[:-1], k * group, dtype=torch.int64, device=x.device)

@@ -121,15 +121,17 @@ def predict_ahead(
     group: int,
     buckets: int,
     slot: int,
+    after: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``select_predictor`` launched ahead (lookahead pass): on CUDA it runs on a side stream
     and records event ``slot``, which the block's first sparse op waits on; on CPU it runs in
-    plain order."""
+    plain order. ``after`` is only read by the graph's order: a cut the fork must follow
+    (passes/lower.py::graph_splits), so the inner compiler cannot schedule it before."""
     return ref.select_predictor(x, w1, b1, w2, b2, act, k, group, buckets)
 
 
 @predict_ahead.register_fake
-def _(x, w1, b1, w2, b2, act, k, group, buckets, slot):
+def _(x, w1, b1, w2, b2, act, k, group, buckets, slot, after=None):
     return _ids_like(x, k * group)
 
 

@@ -294,32 +294,50 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
         ctx.counters.add("dense_gemv")
 
 
+# dejavu::predict_ahead's arguments before ``after``
+_AHEAD_ARGS = 10
+
+
 def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Cut the step before each layer of ``DejavuOptions.graph_splits`` that this graph holds:
     the input of the layer's first block (its attention's, else its MLP's) goes through
-    ``dejavu::graph_split``, which the inner compiler runs between two CUDA graphs. A cut that
-    a lookahead side stream would cross (its fork before, its join after) is left out."""
+    ``dejavu::graph_split``, which the inner compiler runs between two CUDA graphs.
+
+    A lookahead predictor forked before the cut and joined after it would split one side
+    stream's work across two graphs; it is moved to just after the cut and reads the cut as
+    ``after`` (it still predicts from the earlier layer's input, which the first graph hands
+    to the second), so it overlaps less of its layer's work. Where that cannot be done (a
+    reader of the predictor before the cut) the cut is left out and counted
+    (``graph_split_skipped``)."""
     from dejavu_compile.kernels.ops import CUDAGRAPH_UNSAFE
 
     if CUDAGRAPH_UNSAFE is None:
         raise RuntimeError(f"option 'graph_splits' needs a torch with torch.Tag.cudagraph_unsafe "
                            f"(Inductor's graph partition); this is {torch.__version__}")
     graph = gm.graph
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    forks = [(order[n], max(order[u] for u in n.users)) for n in graph.nodes
-             if is_op(n, "predict_ahead") and n.users]
     for layer in ctx.options.graph_splits:
         x = ctx.inputs.get((layer, "attention"), ctx.inputs.get((layer, "mlp")))
+        order = {node: i for i, node in enumerate(graph.nodes)}  # earlier cuts moved nodes
         if x is None or x not in order:
             continue
         at = order[x]
-        if any(fork <= at < join for fork, join in forks):
+        crossing = [n for n in graph.nodes if is_op(n, "predict_ahead") and n.users
+                    and order[n] <= at < max(order[u] for u in n.users)]
+        if any(order[u] <= at for n in crossing for u in n.users):
             ctx.counters.add("graph_split_skipped")
             continue
         with graph.inserting_after(x):
             cut = graph.call_function(torch.ops.dejavu.graph_split.default, (x,))
         set_val(cut, fake_mode)
         x.replace_all_uses_with(cut, delete_user_cb=lambda user, cut=cut: user is not cut)
+        anchor = cut
+        for fork in crossing:  # in graph order, each after the one before
+            anchor.append(fork)
+            anchor = fork
+            # reading the cut keeps the fork after it in the inner compiler's schedule too
+            # (Inductor reorders nodes to make fewer partitions)
+            fork.args = (*fork.args[:_AHEAD_ARGS], cut)
+            ctx.counters.add("graph_split_fork_moved")
         ctx.counters.add("graph_split")
 
 

@@ -564,12 +564,10 @@ def test_graph_split_goes_before_the_layer_and_changes_nothing(tiny):
         assert all(order[u] > order[cuts[0]] for u in cuts[0].users)
 
 
-def test_graph_split_is_left_out_where_a_side_stream_crosses_it():
-    """A cut between a lookahead predictor's fork and its join would split one stream's work
-    across two graphs: it is skipped and counted."""
+def _fork_graph(early_reader: bool):
+    """x -> predict_ahead (a lookahead fork) -> relu(x) = h -> h + fork = join, and with
+    ``early_reader`` a second reader of the fork before h."""
     import torch.fx as fx
-    from dejavu_compile.passes import lower
-    from dejavu_compile.passes.context import PassContext
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -578,16 +576,51 @@ def test_graph_split_is_left_out_where_a_side_stream_crosses_it():
     with mode:
         x.meta["val"] = torch.empty(1, 1, 8)
     fork = graph.call_function(torch.ops.dejavu.predict_ahead.default, (x,))
+    if early_reader:
+        early = graph.call_function(torch.neg, (fork,))
+        early.meta["val"] = x.meta["val"]
     h = graph.call_function(torch.relu, (x,))
     h.meta["val"] = x.meta["val"]
     join = graph.call_function(torch.add, (h, fork))
     join.meta["val"] = x.meta["val"]
-    graph.output(join)
-    gm = fx.GraphModule(torch.nn.Module(), graph)
+    graph.output((join, early) if early_reader else join)
+    return fx.GraphModule(torch.nn.Module(), graph), mode, fork, h, join
+
+
+def _split(gm, mode, inputs):
+    from dejavu_compile.passes import lower
+    from dejavu_compile.passes.context import PassContext
+
     opts = DejavuOptions(selector="oracle", mlp_density=0.5, cudagraphs=True, graph_splits=(1, 2))
     ctx = PassContext(opts, None, {}, [])
-    ctx.inputs = {(1, "attention"): h, (2, "mlp"): join}
+    ctx.inputs = inputs
     lower.graph_splits(gm, ctx, mode)
+    gm.graph.lint()
     cuts = [n for n in gm.graph.nodes if str(n.target) == "dejavu.graph_split.default"]
-    assert ctx.counters.values.get("graph_split_skipped") == 1  # layer 1: inside the fork span
-    assert [c.args[0] for c in cuts] == [join] and ctx.counters.values.get("graph_split") == 1
+    return ctx.counters.values, cuts
+
+
+def test_graph_split_moves_a_lookahead_fork_it_would_cross_after_the_cut():
+    """A lookahead predictor forked before a cut and joined after it would split one side
+    stream's work across two graphs: the fork moves to just after the cut, still reading its
+    earlier input, and no graph holds a fork without its join."""
+    gm, mode, fork, h, join = _fork_graph(early_reader=False)
+    counters, cuts = _split(gm, mode, {(1, "attention"): h, (2, "mlp"): join})
+    assert [c.args[0] for c in cuts] == [h, join]
+    assert counters.get("graph_split") == 2 and counters.get("graph_split_fork_moved") == 1
+    assert "graph_split_skipped" not in counters
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    assert order[cuts[0]] < order[fork] < order[join]  # fork and join in the second graph
+    # it still predicts from the earlier input, and reads the cut only to stay after it
+    assert fork.args[0].op == "placeholder" and fork.args[-1] is cuts[0]
+    assert join.args == (cuts[0], fork)
+
+
+def test_graph_split_is_left_out_where_a_fork_cannot_move():
+    """A fork read before the cut as well as after cannot move past it: that cut is skipped
+    and counted, the others made."""
+    gm, mode, fork, h, join = _fork_graph(early_reader=True)
+    counters, cuts = _split(gm, mode, {(1, "attention"): h, (2, "mlp"): join})
+    assert counters.get("graph_split_skipped") == 1  # layer 1: its fork is read before it
+    assert [c.args[0] for c in cuts] == [join] and counters.get("graph_split") == 1
+    assert "graph_split_fork_moved" not in counters

@@ -162,6 +162,39 @@ def test_graph_splits_match_one_graph(tmp_path):
     torch.testing.assert_close(results["cut"], results["whole"], atol=2e-2 * scale, rtol=2e-2)
 
 
+def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
+    """With lookahead predictors on the side stream, a cut moves the fork it would cross to
+    just after it (passes/lower.py::graph_splits): every graph joins its own side-stream work,
+    capture succeeds, and the logits are those of the step captured whole (deterministic mode,
+    so the two differ only where the cut changes Inductor's fusion)."""
+    from dejavu_compile.bench import random_profile
+
+    model = bench.small_llama(6)
+    profile = random_profile(model, 0.25, 0.5, 64, tmp_path / "ahead.yaml", lookahead=True)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(3))
+    results, counters = {}, {}
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for run, splits in (("whole", ()), ("cut", (2, 4))):
+            torch._dynamo.reset()
+            fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                                options={"profile": profile, "cudagraphs": True,
+                                         "graph_splits": splits})
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            results[run] = _teacher_forced_logits(model, fwd, tokens, 24)
+            counters[run] = dejavu_compile.report(model).counters
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    cut = counters["cut"]
+    assert cut.get("graph_split", 0) > 0 and cut.get("graph_split_fork_moved", 0) > 0, cut
+    assert "graph_split_skipped" not in cut, cut
+    scale = results["whole"].abs().max().item()
+    torch.testing.assert_close(results["cut"], results["whole"], atol=2e-2 * scale, rtol=2e-2)
+
+
 def test_programmatic_launch_matches_the_reference(monkeypatch):
     """With ``DEJAVU_PDL=1`` (programmatic dependent launch, Hopper and later) a selector
     followed by the sparse MLP and head kernels, captured in a CUDA graph and replayed, gives

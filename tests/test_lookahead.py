@@ -84,21 +84,30 @@ def test_lookahead_matches_sequential_reference(tiny, arch, tmp_path):
     assert dejavu_compile.report(model).counters["lookahead[mlp]"] >= 1
 
 
-def test_side_stream_form_joins_the_first_consumer(tiny, tmp_path, monkeypatch):
-    """The CUDA form of the rewrite (predict_ahead + joining consumer), built on CPU where the
-    ops run in order: same outputs as the sequential reference, keep and slot in place."""
+def _side_stream_form(tiny, tmp_path, monkeypatch, **options):
+    """A tiny Llama with a lookahead profile rewritten in the CUDA form (predict_ahead + joining
+    consumer) on CPU, where the ops run in order; checks its logits against the sequential
+    reference and returns its last rewritten graph and context."""
     from dejavu_compile.passes import lookahead
 
     monkeypatch.setattr(lookahead, "uses_side_stream", lambda x: True)
     model = tiny("llama")
     path, tensors = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
-    backend, graphs = _capture({"profile": str(path)})
+    backend, graphs = _capture({"profile": str(path), **options})
     ids = prompt()
     with torch.no_grad():
         want = _lookahead_reference(model, tensors, ids)
         got = _decode_logits(torch.compile(model, backend=backend), ids)
     torch.testing.assert_close(got, want, **FP32)
-    gm, ctx = graphs[-1]
+    return graphs[-1]
+
+
+def test_side_stream_form_joins_the_first_consumer(tiny, tmp_path, monkeypatch):
+    """The CUDA form of the rewrite, built on CPU: same outputs as the sequential reference,
+    keep and slot in place."""
+    from dejavu_compile.passes import lookahead
+
+    gm, ctx = _side_stream_form(tiny, tmp_path, monkeypatch)
     ahead = [n for n in gm.graph.nodes if lookahead.is_op(n, "predict_ahead")]
     assert len(ahead) == 2  # layer 1's MLP and attention predictors
     for node in ahead:
@@ -107,6 +116,23 @@ def test_side_stream_form_joins_the_first_consumer(tiny, tmp_path, monkeypatch):
                  if lookahead.is_op(u, "sparse_mlp" if kind == "mlp" else "sparse_head_proj")]
         keep, slot = first[0].args[-2:]
         assert keep is ctx.inputs[(0, kind)] and slot == node.args[-1] >= 0
+
+
+def test_graph_split_moves_the_side_stream_forks_it_crosses(tiny, tmp_path, monkeypatch):
+    """The side-stream form with the step cut before layer 1: layer 1's predictors, forked in
+    layer 0 and joined in layer 1, move to just after the cut and read it as ``after`` (so no
+    graph holds a fork without its join); they still predict from layer 0's inputs, and the
+    logits are the sequential reference's."""
+    from dejavu_compile.passes import lookahead
+
+    gm, ctx = _side_stream_form(tiny, tmp_path, monkeypatch, cudagraphs=True, graph_splits=(1,))
+    assert ctx.counters.values.get("graph_split_fork_moved") == 2, ctx.counters.values
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    cut, = [n for n in gm.graph.nodes if lookahead.is_op(n, "graph_split")]
+    for node in (n for n in gm.graph.nodes if lookahead.is_op(n, "predict_ahead")):
+        kind = node.meta["dejavu"]["block"]
+        assert node.args[0] is ctx.inputs[(0, kind)] and node.args[-1] is cut
+        assert order[cut] < order[node] < min(order[u] for u in node.users)
 
 
 def test_lookahead_option_mismatch_is_refused(tiny, tmp_path):
