@@ -135,6 +135,25 @@ def test_graph_split_moves_the_side_stream_forks_it_crosses(tiny, tmp_path, monk
         assert order[cut] < order[node] < min(order[u] for u in node.users)
 
 
+def test_moved_forks_compile_with_the_graph_partition(tiny, tmp_path, monkeypatch):
+    """The same through the whole backend on CPU: Inductor, with its graph partition on,
+    compiles the moved forks, ``after`` and all, and the logits are the sequential reference's
+    (on CPU the ops run in order whatever the schedule; tests/test_gpu.py checks the capture)."""
+    from dejavu_compile.passes import lookahead
+
+    monkeypatch.setattr(lookahead, "uses_side_stream", lambda x: True)
+    model = tiny("llama")
+    path, tensors = _random_predictor_profile(model, tmp_path, dense_first=False, lookahead=True)
+    ids = prompt()
+    with torch.no_grad():
+        want = _lookahead_reference(model, tensors, ids)
+        got = _decode_logits(torch.compile(model, backend="dejavu", options={
+            "profile": str(path), "cudagraphs": True, "graph_splits": (1,)}), ids)
+    torch.testing.assert_close(got, want, **FP32)
+    decode = [g.counters for g in dejavu_compile.report(model).graphs if g.decode]
+    assert decode and all(c.get("graph_split_fork_moved") == 2 for c in decode), decode
+
+
 def test_lookahead_option_mismatch_is_refused(tiny, tmp_path):
     model = tiny("llama")
     same, _ = _random_predictor_profile(model, tmp_path)
