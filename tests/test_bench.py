@@ -371,3 +371,27 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "end_to_end", lambda *a, **k: iter(()))
     assert bench.run(["llama-3-8b"], out_json=str(out), kernels=False)["complete"] is True
     assert json.loads(out.read_text())["complete"] is True
+
+
+def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
+    """The HF modes run first (a dejavu compilation re-lays out the parameters in place), then
+    the dejavu modes in the order given, each once: so a run can measure two modes the other
+    way round."""
+    import dejavu_compile
+
+    seen = []
+
+    def latency(model, forward, prompt, new, mode, bytes_per_token, breakdown=False):
+        seen.append(mode)
+        return SimpleNamespace(mode=mode, bytes_per_token=0)
+
+    monkeypatch.setattr(bench, "random_model", lambda cfg: tiny("llama"))
+    monkeypatch.setattr(bench, "random_profile", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "decode_latency", latency)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(dejavu_compile, "report",
+                        lambda model: SimpleNamespace(bytes_sparse=1))
+    modes = ["dejavu_split", "dejavu_sparse", "hf_compiled", "dejavu_split"]
+    got = [r.mode for r in bench.end_to_end("llama-3-8b", None, {"mlp": 0.5, "attention": 1.0},
+                                            modes=modes)]
+    assert got == seen == ["hf_compiled", "dejavu_split", "dejavu_sparse"]
