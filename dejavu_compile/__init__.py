@@ -8,11 +8,13 @@
 from dejavu_compile import kernels  # noqa: F401  (registers torch.ops.dejavu.*)
 
 from .backend import compile, dejavu_backend, report, transform
+from .capture import CapturedStep
 from .config import DejavuOptions
 from .inspection import export
 from .profile import Profile, ProfileError, load_profile, save_profile
 
 __all__ = [
+    "CapturedStep",
     "DejavuOptions",
     "Profile",
     "ProfileError",

@@ -595,7 +595,7 @@ def weight_bytes(model) -> int:
 MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
-         "dejavu_split6", "dejavu_split_ahead")
+         "dejavu_split6", "dejavu_split_ahead", "dejavu_captured")
 SPARSE_MODES = MODES[3:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -634,6 +634,10 @@ _DEJAVU_MODES = {
     "dejavu_split6": (True, False, BUCKET_UNITS, {"graph_splits": (1, 2, 4, 8, 16, 24)}),
     # dejavu_lookahead cut as dejavu_split: the predictors of layers 2 and 8 fork after the cut
     "dejavu_split_ahead": (True, True, BUCKET_UNITS, {"graph_splits": (2, 8)}),
+    # dejavu_sparse compiled without Inductor's CUDA graphs and replayed from one CUDA graph
+    # captured around the whole compiled call (capture.CapturedStep): no guards or wrappers
+    # on the host per step
+    "dejavu_captured": (True, False, BUCKET_UNITS, {"cudagraphs": False}),
 }
 
 
@@ -686,6 +690,8 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
                                  lookahead=ahead, bucket_units=bucket_units)
         options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+        if mode == "dejavu_captured":
+            fwd = dejavu_compile.CapturedStep(fwd)
         # the step is compiled and its kernels captured in here
         with kernel_switches(mode):
             res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)

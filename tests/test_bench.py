@@ -204,6 +204,8 @@ def test_only_the_sdpa_mode_turns_the_decode_attention_off():
         assert options.workspaces == (mode != "dejavu_fill"), mode
         assert options.merge_attention == (mode == "dejavu_merge"), mode
         assert bool(options.graph_splits) == mode.startswith("dejavu_split"), mode
+        # the mode that captures the step itself leaves Inductor's CUDA graphs off
+        assert options.cudagraphs == (mode != "dejavu_captured"), mode
 
 
 def test_tuned_configs_round_trip_through_json(monkeypatch, tmp_path):
@@ -376,22 +378,26 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
 def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
     """The HF modes run first (a dejavu compilation re-lays out the parameters in place), then
     the dejavu modes in the order given, each once: so a run can measure two modes the other
-    way round."""
+    way round. ``dejavu_captured`` times the step through ``CapturedStep``."""
     import dejavu_compile
 
-    seen = []
+    seen, captured = [], []
 
     def latency(model, forward, prompt, new, mode, bytes_per_token, breakdown=False):
         seen.append(mode)
+        captured.append(isinstance(forward, dejavu_compile.CapturedStep))
         return SimpleNamespace(mode=mode, bytes_per_token=0)
 
     monkeypatch.setattr(bench, "random_model", lambda cfg: tiny("llama"))
     monkeypatch.setattr(bench, "random_profile", lambda *a, **k: None)
     monkeypatch.setattr(bench, "decode_latency", latency)
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench.torch, "compile", lambda fn, **kwargs: fn)  # nothing runs
+    monkeypatch.setattr(bench.torch._dynamo, "reset", lambda: None)
     monkeypatch.setattr(dejavu_compile, "report",
                         lambda model: SimpleNamespace(bytes_sparse=1))
-    modes = ["dejavu_split", "dejavu_sparse", "hf_compiled", "dejavu_split"]
+    modes = ["dejavu_split", "dejavu_captured", "dejavu_sparse", "hf_compiled", "dejavu_split"]
     got = [r.mode for r in bench.end_to_end("llama-3-8b", None, {"mlp": 0.5, "attention": 1.0},
                                             modes=modes)]
-    assert got == seen == ["hf_compiled", "dejavu_split", "dejavu_sparse"]
+    assert got == seen == ["hf_compiled", "dejavu_split", "dejavu_captured", "dejavu_sparse"]
+    assert captured == [False, False, True, False]  # only that mode replays its own capture

@@ -201,6 +201,34 @@ def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
     assert agree >= 0.9, agree
 
 
+def test_captured_step_matches_the_compiled_step():
+    """``CapturedStep`` (dejavu's own CUDA graph around the whole compiled call) gives the
+    logits of the compiled step it wraps, step after step (the tokens and positions copied in,
+    the static cache written in place), and captures once per cache: two prefilled caches, two
+    graphs, each replayed for its own steps. Deterministic mode: the same kernels give the same
+    bits."""
+    model = bench.small_llama(6)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(4))
+    fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                        options={"selector": "fixed", "mlp_density": 0.25,
+                                 "attention_density": 0.5})
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+        want = _teacher_forced_logits(model, fwd, tokens, 24)
+        step = dejavu_compile.CapturedStep(fwd)
+        first = _teacher_forced_logits(model, step, tokens, 24)
+        second = _teacher_forced_logits(model, step, tokens, 24)  # a new cache
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert step.captured == 2
+    for got in (first, second):
+        assert torch.equal(got, want), _differ(got, want)
+
+
 def test_programmatic_launch_matches_the_reference(monkeypatch):
     """With ``DEJAVU_PDL=1`` (programmatic dependent launch, Hopper and later) a selector
     followed by the sparse MLP and head kernels, captured in a CUDA graph and replayed, gives

@@ -1,0 +1,131 @@
+"""The decode step captured in one CUDA graph by dejavu itself, for decode loops that call the
+model with a static cache.
+
+    step = dejavu_compile.CapturedStep(torch.compile(model.forward, backend="dejavu",
+                                                     options={"profile": ...}))
+    out = step(input_ids=tok, past_key_values=cache, cache_position=pos, ...)  # a static cache
+
+Why: Inductor's CUDA graphs (option ``cudagraphs``) replay the step's kernels, but each step
+still pays on the host for Dynamo's guards, the AOT and CUDA-graph-tree wrappers and then the
+graph's launch, and on an H200 the GPU waited for that: a step took about the host's time plus
+the GPU's (BENCHMARKS.md, twelfth and thirteenth sessions). Replaying a graph captured around
+the whole compiled call leaves only the copies of the new inputs and the launch.
+
+How: the first call with a given cache (its tensors' addresses) and given input shapes runs the
+forward as it is (it compiles and autotunes there, which a capture cannot hold). The second
+captures it into a ``torch.cuda.CUDAGraph`` reading copies of the tensor arguments, then
+replays it; every later call copies its tensors into those copies and replays. The returned
+output is the captured one: its tensors are overwritten by the next call, as with Inductor's
+CUDA graphs. Arguments that are not tensors (the cache, flags) must be the same each call;
+the cache must be one that keeps all its state in tensors updated in place (Hugging Face's
+``StaticCache`` with full attention layers does; a sliding-window layer keeps a Python count,
+which a replay would not advance, and is refused). On CPU, or with no tensor argument, the call
+goes straight to the forward.
+
+Compile the forward without ``cudagraphs`` (Inductor's own graphs inside this one would be
+captured twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _state(value: Any) -> tuple:
+    """What a non-tensor argument contributes to the capture's key: a cache's tensors'
+    addresses (the graph reads and writes them in place), else the value itself."""
+    layers = getattr(value, "layers", None)
+    if layers is None:
+        try:
+            hash(value)
+        except TypeError:
+            raise TypeError(f"CapturedStep: argument of type {type(value).__name__} is neither a "
+                            "tensor, a cache nor a plain value; a captured graph cannot take it"
+                            ) from None
+        return ("value", value)
+    ptrs = []
+    for i, layer in enumerate(layers):
+        counts = [name for name, attr in vars(layer).items() if "length" in name
+                  and isinstance(attr, int) and not isinstance(attr, bool)]
+        if getattr(layer, "is_initialized", True) is False:
+            raise ValueError(f"CapturedStep: cache layer {i} holds no tensors yet (run the "
+                             "prefill first)")
+        if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            raise ValueError(
+                f"CapturedStep: cache layer {i} ({type(layer).__name__}) keeps no count of its "
+                "positions in a tensor: not a static cache (a dynamic cache's tensors grow and "
+                "move every step, which a captured graph cannot follow); use a StaticCache")
+        if counts or getattr(layer, "is_sliding", False):
+            raise ValueError(
+                f"CapturedStep: cache layer {i} ({type(layer).__name__}) keeps a count of its "
+                f"positions as a Python number ({', '.join(counts) or 'a sliding window'}), "
+                "which a replayed graph would not advance; use a cache whose layers keep their "
+                "state in tensors (a StaticCache of full-attention layers), or Inductor's CUDA "
+                "graphs (option cudagraphs)")
+        ptrs.extend((i, name, attr.data_ptr()) for name, attr in sorted(vars(layer).items())
+                    if isinstance(attr, torch.Tensor))
+    if not ptrs:
+        raise ValueError("CapturedStep: the cache has no layers yet (run the prefill first)")
+    return ("cache", type(value).__name__, tuple(ptrs))
+
+
+class CapturedStep:
+    """``forward`` (a compiled decode step) replayed from one CUDA graph per cache and input
+    shapes; see the module docstring."""
+
+    def __init__(self, forward: Callable[..., Any]):
+        self.forward = forward
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], Any]] = {}
+        self._seen: set[tuple] = set()
+        self._pool = None  # one memory pool for every graph this step captures
+
+    def key(self, kwargs: dict[str, Any]) -> tuple:
+        """The capture a call replays: each tensor argument's shape, dtype and device, each
+        other argument's ``_state``."""
+        parts = []
+        for name in sorted(kwargs):
+            value = kwargs[name]
+            if isinstance(value, torch.Tensor):
+                parts.append((name, "tensor", tuple(value.shape), value.dtype, str(value.device)))
+            else:
+                parts.append((name, *_state(value)))
+        return tuple(parts)
+
+    @property
+    def captured(self) -> int:
+        """How many graphs this step holds."""
+        return len(self._graphs)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        if not tensors or any(t.device.type != "cuda" for t in tensors.values()):
+            return self.forward(**kwargs)
+        key = self.key(kwargs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key not in self._seen:  # compile and autotune outside a capture
+                self._seen.add(key)
+                return self.forward(**kwargs)
+            entry = self._graphs[key] = self._capture(kwargs, tensors)
+        graph, inputs, out = entry
+        for name, t in tensors.items():
+            inputs[name].copy_(t)
+        graph.replay()
+        return out
+
+    def _capture(self, kwargs: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        inputs = {name: t.clone() for name, t in tensors.items()}
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.forward(**{**kwargs, **inputs})
+        except Exception as e:
+            raise RuntimeError(
+                "CapturedStep: the decode step could not be captured in a CUDA graph (it "
+                f"synchronises with the host or allocates outside the graph's pool?): {e}") from e
+        self._pool = graph.pool()
+        return graph, inputs, out

@@ -1,0 +1,84 @@
+"""``CapturedStep``: the decode step replayed from dejavu's own CUDA graph. What runs on CPU:
+the pass-through and the key that decides which capture a call replays, with the caches it
+refuses. Capture and replay are tested on the GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import dejavu_compile
+from dejavu_compile import CapturedStep
+
+from .conftest import prompt
+
+
+def _prefilled(model, length: int = 16):
+    ids = prompt()
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(ids.shape[1]))
+    return ids, cache
+
+
+def _step_args(ids, cache, tok=None):
+    pos = torch.tensor([ids.shape[1]])
+    return dict(input_ids=ids[:, -1:] if tok is None else tok, past_key_values=cache,
+                cache_position=pos, position_ids=pos[None], use_cache=True)
+
+
+def test_on_cpu_the_call_goes_to_the_forward(tiny):
+    model = tiny("llama")
+    compiled = torch.compile(model.forward, backend="dejavu",
+                             options={"selector": "oracle", "mlp_density": 0.5})
+    step = CapturedStep(compiled)
+    ids, cache = _prefilled(model)
+    _, plain = _prefilled(model)
+    with torch.no_grad():
+        got = step(**_step_args(ids, cache)).logits
+        want = compiled(**_step_args(ids, plain)).logits
+    torch.testing.assert_close(got, want)
+    assert step.captured == 0
+
+
+def test_the_key_follows_the_cache_tensors_and_the_input_shapes(tiny):
+    """A call replays the capture of its cache (the addresses the graph reads and writes in
+    place) and its tensors' shapes; new token values keep the key."""
+    model = tiny("llama")
+    step = CapturedStep(model.forward)
+    ids, cache = _prefilled(model)
+    _, other = _prefilled(model)
+    key = step.key(_step_args(ids, cache))
+    assert step.key(_step_args(ids, cache, tok=torch.tensor([[5]]))) == key
+    assert step.key(_step_args(ids, other)) != key
+    assert step.key({**_step_args(ids, cache), "input_ids": ids[:, -2:]}) != key
+    assert step.key({**_step_args(ids, cache), "use_cache": False}) != key
+
+
+def test_caches_a_replay_cannot_advance_are_refused(tiny):
+    """A layer that counts its positions in a Python number (a sliding window of Gemma 3's
+    static cache) would not advance under a replay, and a dynamic cache's tensors move every
+    step: both refused with the layer named; so is a cache not filled yet, and an argument a
+    graph cannot take."""
+    gemma = tiny("gemma3")
+    ids, cache = _prefilled(gemma)
+    step = CapturedStep(gemma.forward)
+    with pytest.raises(ValueError, match=r"cache layer 0 \(StaticSlidingWindowLayer\).*Python"):
+        step.key(_step_args(ids, cache))
+
+    llama = tiny("llama")
+    dynamic = DynamicCache(config=llama.config)
+    with torch.no_grad():
+        llama(input_ids=ids, past_key_values=dynamic, use_cache=True)
+    with pytest.raises(ValueError, match=r"cache layer 0 \(DynamicLayer\).*not a static cache"):
+        step.key(_step_args(ids, dynamic))
+    with pytest.raises(ValueError, match="holds no tensors yet"):
+        step.key(_step_args(ids, StaticCache(config=llama.config, max_cache_len=16)))
+    with pytest.raises(TypeError, match="argument of type list"):
+        step.key({**_step_args(ids, cache), "extra": [1]})
+
+
+def test_it_is_part_of_the_public_api():
+    assert "CapturedStep" in dejavu_compile.__all__
