@@ -592,11 +592,11 @@ def weight_bytes(model) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
-MODES = ("hf_eager", "hf_compiled", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
+MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
          "dejavu_split6", "dejavu_split_ahead", "dejavu_captured")
-SPARSE_MODES = MODES[3:]
+SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
 _DEJAVU_MODES = {
@@ -678,6 +678,11 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
         torch._dynamo.reset()
         compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes,
+                             breakdown=breakdown)
+    if "hf_captured" in modes:  # dense, replayed from one graph as dejavu_captured is
+        torch._dynamo.reset()
+        compiled = dejavu_compile.CapturedStep(torch.compile(model.forward, fullgraph=True))
+        yield decode_latency(model, compiled, prompt, new, "hf_captured", dense_bytes,
                              breakdown=breakdown)
 
     # in the order asked, after the HF modes: the first dejavu compilation re-lays out the

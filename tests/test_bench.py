@@ -378,7 +378,7 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
 def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
     """The HF modes run first (a dejavu compilation re-lays out the parameters in place), then
     the dejavu modes in the order given, each once: so a run can measure two modes the other
-    way round. ``dejavu_captured`` times the step through ``CapturedStep``."""
+    way round. ``hf_captured`` and ``dejavu_captured`` time the step through ``CapturedStep``."""
     import dejavu_compile
 
     seen, captured = [], []
@@ -396,8 +396,11 @@ def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
     monkeypatch.setattr(bench.torch._dynamo, "reset", lambda: None)
     monkeypatch.setattr(dejavu_compile, "report",
                         lambda model: SimpleNamespace(bytes_sparse=1))
-    modes = ["dejavu_split", "dejavu_captured", "dejavu_sparse", "hf_compiled", "dejavu_split"]
+    modes = ["dejavu_split", "dejavu_captured", "hf_captured", "dejavu_sparse", "hf_compiled",
+             "dejavu_split"]
     got = [r.mode for r in bench.end_to_end("llama-3-8b", None, {"mlp": 0.5, "attention": 1.0},
                                             modes=modes)]
-    assert got == seen == ["hf_compiled", "dejavu_split", "dejavu_captured", "dejavu_sparse"]
-    assert captured == [False, False, True, False]  # only that mode replays its own capture
+    assert got == seen == ["hf_compiled", "hf_captured", "dejavu_split", "dejavu_captured",
+                           "dejavu_sparse"]
+    # the two captured modes replay a capture of their own
+    assert captured == [False, True, False, True, False]
