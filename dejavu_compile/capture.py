@@ -83,13 +83,14 @@ class CapturedStep:
         self._pool = None  # one memory pool for every graph this step captures
 
     def key(self, kwargs: dict[str, Any]) -> tuple:
-        """The capture a call replays: each tensor argument's shape, dtype and device, each
-        other argument's ``_state``."""
+        """The capture a call replays: each tensor argument's shape, strides, dtype and device
+        (what Dynamo's guards check), each other argument's ``_state``."""
         parts = []
         for name in sorted(kwargs):
             value = kwargs[name]
             if isinstance(value, torch.Tensor):
-                parts.append((name, "tensor", tuple(value.shape), value.dtype, str(value.device)))
+                parts.append((name, "tensor", tuple(value.shape), value.stride(), value.dtype,
+                              str(value.device)))
             else:
                 parts.append((name, *_state(value)))
         return tuple(parts)
@@ -117,7 +118,9 @@ class CapturedStep:
         return out
 
     def _capture(self, kwargs: dict[str, Any], tensors: dict[str, torch.Tensor]):
-        inputs = {name: t.clone() for name, t in tensors.items()}
+        # same strides as the call's tensors, so the guards of the compiled forward still hold
+        inputs = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device
+                                            ).copy_(t) for name, t in tensors.items()}
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         try:

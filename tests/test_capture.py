@@ -25,7 +25,8 @@ def _prefilled(model, length: int = 16):
 
 def _step_args(ids, cache, tok=None):
     pos = torch.tensor([ids.shape[1]])
-    return dict(input_ids=ids[:, -1:] if tok is None else tok, past_key_values=cache,
+    tok = ids[:, -1:].clone(memory_format=torch.contiguous_format) if tok is None else tok
+    return dict(input_ids=tok, past_key_values=cache,
                 cache_position=pos, position_ids=pos[None], use_cache=True)
 
 
@@ -45,7 +46,7 @@ def test_on_cpu_the_call_goes_to_the_forward(tiny):
 
 def test_the_key_follows_the_cache_tensors_and_the_input_shapes(tiny):
     """A call replays the capture of its cache (the addresses the graph reads and writes in
-    place) and its tensors' shapes; new token values keep the key."""
+    place) and its tensors' shapes and strides; new token values keep the key."""
     model = tiny("llama")
     step = CapturedStep(model.forward)
     ids, cache = _prefilled(model)
@@ -54,6 +55,7 @@ def test_the_key_follows_the_cache_tensors_and_the_input_shapes(tiny):
     assert step.key(_step_args(ids, cache, tok=torch.tensor([[5]]))) == key
     assert step.key(_step_args(ids, other)) != key
     assert step.key({**_step_args(ids, cache), "input_ids": ids[:, -2:]}) != key
+    assert step.key({**_step_args(ids, cache), "input_ids": ids[:, -1:]}) != key  # a strided view
     assert step.key({**_step_args(ids, cache), "use_cache": False}) != key
 
 
