@@ -7,23 +7,23 @@ model with a static cache.
 
 Why: Inductor's CUDA graphs (option ``cudagraphs``) replay the step's kernels, but each step
 still pays on the host for Dynamo's guards, the AOT and CUDA-graph-tree wrappers and then the
-graph's launch, and on an H200 the GPU waited for that: a step took about the host's time plus
-the GPU's (BENCHMARKS.md, twelfth and thirteenth sessions). Replaying a graph captured around
+graph's launch, and on an H200 a step took about the host's time plus the GPU's (BENCHMARKS.md,
+twelfth and thirteenth sessions). Replaying a graph captured around
 the whole compiled call leaves only the copies of the new inputs and the launch.
 
-How: the first call with a given cache (its tensors' addresses) and given input shapes runs the
-forward as it is (it compiles and autotunes there, which a capture cannot hold). The second
-captures it into a ``torch.cuda.CUDAGraph`` reading copies of the tensor arguments, then
+How: the first call with a given cache (its tensors' addresses) and input shapes and strides
+runs the forward as it is (it compiles and autotunes there, which a capture cannot hold). The
+second captures it into a ``torch.cuda.CUDAGraph`` reading copies of the tensor arguments, then
 replays it; every later call copies its tensors into those copies and replays. The returned
 output is the captured one: its tensors are overwritten by the next call, as with Inductor's
-CUDA graphs. Arguments that are not tensors (the cache, flags) must be the same each call;
-the cache must be one that keeps all its state in tensors updated in place (Hugging Face's
-``StaticCache`` with full attention layers does; a sliding-window layer keeps a Python count,
-which a replay would not advance, and is refused). On CPU, or with no tensor argument, the call
-goes straight to the forward.
+CUDA graphs. Arguments that are not tensors (the cache, flags) are part of the key: other
+values make another capture. The cache must be one that keeps all its state in tensors updated
+in place (Hugging Face's ``StaticCache`` with full attention layers does; a sliding-window
+layer keeps a Python count, which a replay would not advance, and is refused). On CPU, or with
+no tensor argument, the call goes straight to the forward.
 
-Compile the forward without ``cudagraphs`` (Inductor's own graphs inside this one would be
-captured twice).
+Compile the forward without ``cudagraphs``: its kernels are to be recorded in this graph, not
+in Inductor's.
 """
 
 from __future__ import annotations
