@@ -595,7 +595,7 @@ def weight_bytes(model) -> int:
 MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
-         "dejavu_split6", "dejavu_split_ahead", "dejavu_captured")
+         "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -638,6 +638,8 @@ _DEJAVU_MODES = {
     # captured around the whole compiled call (capture.CapturedStep): no guards or wrappers
     # on the host per step
     "dejavu_captured": (True, False, BUCKET_UNITS, {"cudagraphs": False}),
+    # dejavu_lookahead replayed the same way (its side stream's fork and join in the capture)
+    "dejavu_captured_ahead": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
 }
 
 
@@ -695,7 +697,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
                                  lookahead=ahead, bucket_units=bucket_units)
         options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        if mode == "dejavu_captured":
+        if mode.startswith("dejavu_captured"):
             fwd = dejavu_compile.CapturedStep(fwd)
         # the step is compiled and its kernels captured in here
         with kernel_switches(mode):

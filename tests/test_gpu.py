@@ -201,18 +201,25 @@ def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
     assert agree >= 0.9, agree
 
 
-def test_captured_step_matches_the_compiled_step():
+@pytest.mark.parametrize("ahead", [False, True], ids=["fixed", "lookahead"])
+def test_captured_step_matches_the_compiled_step(tmp_path, ahead):
     """``CapturedStep`` (dejavu's own CUDA graph around the whole compiled call) gives the
     logits of the compiled step it wraps, step after step (the tokens and positions copied in,
     the static cache written in place), and captures once per cache: two prefilled caches, two
-    graphs, each replayed for its own steps. Deterministic mode: the same kernels give the same
-    bits."""
+    graphs, each replayed for its own steps. With fixed indices, and with lookahead predictors
+    whose side stream forks and joins inside the capture. Deterministic mode: the same kernels
+    give the same bits."""
+    from dejavu_compile.bench import random_profile
+
     model = bench.small_llama(6)
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(4))
-    fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                        options={"selector": "fixed", "mlp_density": 0.25,
-                                 "attention_density": 0.5})
+    if ahead:
+        options = {"profile": random_profile(model, 0.25, 0.5, 64, tmp_path / "ahead.yaml",
+                                             lookahead=True)}
+    else:
+        options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5}
+    fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -225,6 +232,8 @@ def test_captured_step_matches_the_compiled_step():
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert step.captured == 2
+    if ahead:
+        assert dejavu_compile.report(model).counters.get("lookahead[mlp]", 0) > 0
     for got in (first, second):
         assert torch.equal(got, want), _differ(got, want)
 
