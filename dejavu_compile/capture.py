@@ -48,8 +48,6 @@ def _state(value: Any) -> tuple:
         return ("value", value)
     ptrs = []
     for i, layer in enumerate(layers):
-        counts = [name for name, attr in vars(layer).items() if "length" in name
-                  and isinstance(attr, int) and not isinstance(attr, bool)]
         if getattr(layer, "is_initialized", True) is False:
             raise ValueError(f"CapturedStep: cache layer {i} holds no tensors yet (run the "
                              "prefill first)")
@@ -58,6 +56,8 @@ def _state(value: Any) -> tuple:
                 f"CapturedStep: cache layer {i} ({type(layer).__name__}) keeps no count of its "
                 "positions in a tensor: not a static cache (a dynamic cache's tensors grow and "
                 "move every step, which a captured graph cannot follow); use a StaticCache")
+        counts = [name for name, attr in vars(layer).items() if "length" in name
+                  and isinstance(attr, int) and not isinstance(attr, bool)]
         if counts or getattr(layer, "is_sliding", False):
             raise ValueError(
                 f"CapturedStep: cache layer {i} ({type(layer).__name__}) keeps a count of its "

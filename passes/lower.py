@@ -294,10 +294,6 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
         ctx.counters.add("dense_gemv")
 
 
-# dejavu::predict_ahead's arguments before ``after``
-_AHEAD_ARGS = 10
-
-
 def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Cut the step before each layer of ``DejavuOptions.graph_splits`` that this graph holds:
     the input of the layer's first block (its attention's, else its MLP's) goes through
@@ -314,6 +310,9 @@ def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     if CUDAGRAPH_UNSAFE is None:
         raise RuntimeError(f"option 'graph_splits' needs a torch with torch.Tag.cudagraph_unsafe "
                            f"(Inductor's graph partition); this is {torch.__version__}")
+    # where dejavu::predict_ahead takes ``after``, from its schema
+    after = [a.name for a in torch.ops.dejavu.predict_ahead.default._schema.arguments
+             ].index("after")
     graph = gm.graph
     for layer in ctx.options.graph_splits:
         x = ctx.inputs.get((layer, "attention"), ctx.inputs.get((layer, "mlp")))
@@ -336,7 +335,7 @@ def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             anchor = fork
             # reading the cut keeps the fork after it in the inner compiler's schedule too
             # (Inductor reorders nodes to make fewer partitions)
-            fork.args = (*fork.args[:_AHEAD_ARGS], cut)
+            fork.args = (*fork.args[:after], cut)
             ctx.counters.add("graph_split_fork_moved")
         ctx.counters.add("graph_split")
 

@@ -9,17 +9,15 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import dejavu_compile
-from dejavu_compile import CapturedStep
+from dejavu_compile import CapturedStep, bench
 
 from .conftest import prompt
 
 
 def _prefilled(model, length: int = 16):
     ids = prompt()
-    cache = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(ids.shape[1]))
+        cache, _ = bench._prefilled(model, ids, length)
     return ids, cache
 
 

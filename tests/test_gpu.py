@@ -5,6 +5,8 @@ gives the results of plain launches."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,6 +37,20 @@ def _teacher_forced_logits(model, forward, tokens: torch.Tensor, steps: int = ST
     return torch.cat(out)
 
 
+@contextlib.contextmanager
+def _deterministic():
+    """PyTorch's deterministic mode (warnings only) while the block runs, then as before: the
+    sparse kernels keep each program's partial sums apart instead of adding them with atomics
+    in no fixed order, so the same graph gives the same bits every run."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def _differ(a: torch.Tensor, b: torch.Tensor) -> str:
     """Where two runs' logits [STEPS, vocab] differ: the largest difference and the steps."""
     steps = ((a - b).abs().amax(-1) > 0).nonzero().flatten().tolist()
@@ -54,13 +70,9 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
     tokens = torch.randint(0, 512, (1, 32 + STEPS), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0))
     results = {}
-    # Deterministic mode: the sparse kernels keep each program's partial sums apart instead of
-    # adding them with atomics in no fixed order, so the same graph gives the same bits every
-    # run and any difference the side stream makes is a race (stale or unwritten indices).
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    # in deterministic mode the same graph gives the same bits every run, so any difference the
+    # side stream makes is a race (stale or unwritten indices)
+    with _deterministic():
         # The first compilation re-lays out and stacks the model's parameters in place
         # (passes/lower.py), so the run that makes it reads other layouts than every later
         # run, in the eager prefill and in its first step: it is a warm-up, not compared.
@@ -71,8 +83,6 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
             fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                                 options={"profile": profile, "cudagraphs": True})
             results[run] = _teacher_forced_logits(model, fwd, tokens)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert torch.equal(results["one stream again"], results["one stream"]), (
         "two one-stream runs differ, the step is not deterministic: "
         + _differ(results["one stream again"], results["one stream"])
@@ -177,10 +187,7 @@ def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(3))
     results, counters = {}, {}
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with _deterministic():
         for run, splits in (("whole", ()), ("cut", (2, 4))):
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
@@ -189,8 +196,6 @@ def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
             _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
             results[run] = _teacher_forced_logits(model, fwd, tokens, 24)
             counters[run] = dejavu_compile.report(model).counters
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     cut = counters["cut"]
     assert cut.get("graph_split", 0) > 0 and cut.get("graph_split_fork_moved", 0) > 0, cut
     assert "graph_split_skipped" not in cut, cut
@@ -220,17 +225,12 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead):
     else:
         options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5}
     fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with _deterministic():
         _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
         want = _teacher_forced_logits(model, fwd, tokens, 24)
         step = dejavu_compile.CapturedStep(fwd)
         first = _teacher_forced_logits(model, step, tokens, 24)
         second = _teacher_forced_logits(model, step, tokens, 24)  # a new cache
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert step.captured == 2
     if ahead:
         assert dejavu_compile.report(model).counters.get("lookahead[mlp]", 0) > 0
