@@ -80,7 +80,7 @@ def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
     on an H200 (BENCHMARKS.md, tenth session)."""
     patches: dict[str, Any] = {"triton.cudagraphs": True} if opts.cudagraphs else {}
     patches["reorder_for_locality"] = opts.reorder_for_locality
-    if opts.graph_splits:  # the graphs are cut at each dejavu::graph_split
+    if opts.graph_splits and opts.cudagraphs:  # the graphs are cut at each dejavu::graph_split
         patches["graph_partition"] = True
     return patches
 

@@ -595,7 +595,8 @@ def weight_bytes(model) -> int:
 MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_sparse", "dejavu_lookahead",
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
-         "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead")
+         "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead",
+         "dejavu_captured_split", "dejavu_captured_split_ahead")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -640,6 +641,12 @@ _DEJAVU_MODES = {
     "dejavu_captured": (True, False, BUCKET_UNITS, {"cudagraphs": False}),
     # dejavu_lookahead replayed the same way (its side stream's fork and join in the capture)
     "dejavu_captured_ahead": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
+    # the two above with their capture cut before layers 2 and 8 (three graphs launched in
+    # turn: the GPU starts on the first while the host launches the others)
+    "dejavu_captured_split": (True, False, BUCKET_UNITS, {"cudagraphs": False,
+                                                          "graph_splits": (2, 8)}),
+    "dejavu_captured_split_ahead": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                               "graph_splits": (2, 8)}),
 }
 
 

@@ -106,18 +106,20 @@ class DejavuOptions:
         at ``f3622db``) the merging split kernel took 337 us a Llama-3-8B step against 103 +
         114 us for split and combine launches, and the step 5.57 against 5.35 ms (4.54 against
         4.43 back to back). Bench mode ``dejavu_merge`` turns it on.
-    graph_splits: layers before which the captured decode step is cut into another CUDA
-        graph (with ``cudagraphs``): ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the
-        rest. A graph's launch costs the host time in proportion to its kernels, and the GPU
-        starts a graph only once its launch returns (on an H200 a step's time came out close to
-        the host's time plus the GPU's: BENCHMARKS.md, twelfth session), so a small first graph
-        lets the GPU start while the host launches the rest. The cut is a ``dejavu::graph_split``
-        op (a copy of the layer's block input) that Inductor's graph partition runs outside the
-        graphs. A lookahead predictor whose side stream the cut would straddle is forked just
-        after the cut instead (``graph_split_fork_moved`` in the report); a cut that cannot be
-        made so is left out (``graph_split_skipped``). On an H200 (BENCHMARKS.md, thirteenth
-        session) ``(2, 8)`` made Llama-3-8B's step 5-7% faster in two runs of two, and OPT-13B's
-        3.9% slower in one; off by default.
+    graph_splits: layers before which the captured decode step is cut into another CUDA graph:
+        ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the rest; Inductor's graphs with
+        ``cudagraphs``, else those of ``CapturedStep`` (without either, the cuts are copies that
+        change nothing). A graph's launch costs the host time in proportion to its kernels, and
+        the GPU starts a graph only once its launch returns (on an H200 a step's time came out
+        close to the host's time plus the GPU's: BENCHMARKS.md, twelfth session), so a small first
+        graph lets the GPU start while the host launches the rest. The cut is a
+        ``dejavu::graph_split`` op (a copy of the layer's block input) that Inductor's graph
+        partition runs outside the graphs, or that ends one graph and begins the next while
+        ``CapturedStep`` captures. A lookahead predictor whose side stream the cut would straddle
+        is forked just after the cut instead (``graph_split_fork_moved`` in the report); a cut
+        that cannot be made so is left out (``graph_split_skipped``). On an H200 (BENCHMARKS.md,
+        thirteenth session) ``(2, 8)`` made Llama-3-8B's step 5-7% faster in two runs of two, and
+        OPT-13B's 3.9% slower in one; off by default.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -181,9 +183,8 @@ class DejavuOptions:
                 isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in splits):
             raise ValueError(f"option 'graph_splits' must be layer numbers >= 1, got {splits!r}")
         object.__setattr__(self, "graph_splits", tuple(sorted(set(splits))))
-        if self.graph_splits and not self.cudagraphs:
-            raise ValueError("option 'graph_splits' cuts the CUDA graphs of a step: it needs "
-                             "cudagraphs=True")
+        if self.graph_splits and self.inner != "inductor":
+            raise ValueError("option 'graph_splits' needs inner='inductor'")
         if self.cudagraphs and self.inner != "inductor":
             raise ValueError("option 'cudagraphs' needs inner='inductor'")
         if self.profile is None:

@@ -5,27 +5,34 @@ The ops' default implementation is the PyTorch reference; for CUDA tensors the T
 each op by device.
 """
 
-from . import kv, lookahead, ops, predictor, reference
+# This folder is the package dejavu_compile.kernels. Imported under its own folder's name
+# ("kernels", with the repository's root on sys.path, as under pytest), it would run a second
+# copy of every module and register the torch.ops.dejavu ops again from that copy, splitting
+# their state (the tuned configs, the graph cuts) between two modules. Transformers imports
+# "kernels" when it looks for Hugging Face's package of that name, so under that name this
+# stays empty (no version: transformers takes it for absent).
+if __name__ != "kernels":
+    from . import kv, lookahead, ops, predictor, reference
 
-try:
-    import triton  # noqa: F401
-except ImportError:  # CPU-only installs run the reference everywhere
-    HAVE_TRITON = False
-    _mlp, _head_proj = reference.sparse_mlp, reference.sparse_head_proj
-else:
-    HAVE_TRITON = True
-    from . import decode_attention, dense, heads, sparse_mlp
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # CPU-only installs run the reference everywhere
+        HAVE_TRITON = False
+        _mlp, _head_proj = reference.sparse_mlp, reference.sparse_head_proj
+    else:
+        HAVE_TRITON = True
+        from . import decode_attention, dense, heads, sparse_mlp
 
-    _mlp, _head_proj = sparse_mlp.sparse_mlp, heads.sparse_head_proj
-    ops.sparse_head_out.register_kernel("cuda")(heads.sparse_head_out)
-    ops.sparse_mlp_gated.register_kernel("cuda")(sparse_mlp.sparse_mlp_gated)
-    kv.decode_attention.register_kernel("cuda")(decode_attention.decode_attention)
-    ops.gemv.register_kernel("cuda")(dense.gemv)
-# On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
-ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9))
-ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))
-ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
-ops.select_hidden.register_kernel("cuda")(predictor.select_hidden)
-ops.predict_ahead.register_kernel("cuda")(lookahead.predict_ahead)
+        _mlp, _head_proj = sparse_mlp.sparse_mlp, heads.sparse_head_proj
+        ops.sparse_head_out.register_kernel("cuda")(heads.sparse_head_out)
+        ops.sparse_mlp_gated.register_kernel("cuda")(sparse_mlp.sparse_mlp_gated)
+        kv.decode_attention.register_kernel("cuda")(decode_attention.decode_attention)
+        ops.gemv.register_kernel("cuda")(dense.gemv)
+    # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
+    ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9))
+    ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))
+    ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
+    ops.select_hidden.register_kernel("cuda")(predictor.select_hidden)
+    ops.predict_ahead.register_kernel("cuda")(lookahead.predict_ahead)
 
-__all__ = ["HAVE_TRITON", "kv", "ops", "reference"]
+    __all__ = ["HAVE_TRITON", "kv", "ops", "reference"]

@@ -11,6 +11,10 @@ the reference's docstring).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
 import torch
 
 from . import reference as ref
@@ -278,14 +282,35 @@ def _(x, w, b):
 CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
 
 
+# what dejavu::graph_split calls after its copy, per thread: set by ``graph_cuts``
+_CUT = threading.local()
+
+
+@contextlib.contextmanager
+def graph_cuts(cut: Callable[[], None]) -> Iterator[None]:
+    """While inside, each ``dejavu::graph_split`` this thread runs calls ``cut`` after its copy:
+    ``capture.CapturedStep`` ends the CUDA graph it is capturing there and begins the next."""
+    previous = getattr(_CUT, "fn", None)
+    _CUT.fn = cut
+    try:
+        yield
+    finally:
+        _CUT.fn = previous
+
+
 @torch.library.custom_op(f"{_LIB}::graph_split", mutates_args=(),
                          tags=(CUDAGRAPH_UNSAFE,) if CUDAGRAPH_UNSAFE is not None else ())
 def graph_split(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` that the inner compiler runs outside CUDA graphs (its
-    ``cudagraph_unsafe`` tag; Inductor's graph partition), so the captured decode step is cut
-    there into two graphs, launched one after the other: the GPU starts on the first while the
-    host launches the second (``DejavuOptions.graph_splits``)."""
-    return x.clone()
+    """A copy of ``x`` where the captured decode step is cut into two CUDA graphs, launched one
+    after the other: the GPU starts on the first while the host launches the second
+    (``DejavuOptions.graph_splits``). With ``cudagraphs``, Inductor's graph partition runs the
+    op outside its graphs (the ``cudagraph_unsafe`` tag); under ``CapturedStep``'s capture the
+    op cuts that capture itself (``graph_cuts``)."""
+    y = x.clone()
+    cut = getattr(_CUT, "fn", None)
+    if cut is not None:
+        cut()
+    return y
 
 
 @graph_split.register_fake

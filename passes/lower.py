@@ -297,7 +297,8 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
 def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Cut the step before each layer of ``DejavuOptions.graph_splits`` that this graph holds:
     the input of the layer's first block (its attention's, else its MLP's) goes through
-    ``dejavu::graph_split``, which the inner compiler runs between two CUDA graphs.
+    ``dejavu::graph_split``, which the inner compiler runs between two CUDA graphs (or which
+    cuts ``CapturedStep``'s capture).
 
     A lookahead predictor forked before the cut and joined after it would split one side
     stream's work across two graphs; it is moved to just after the cut and reads the cut as
@@ -307,7 +308,7 @@ def graph_splits(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     (``graph_split_skipped``)."""
     from dejavu_compile.kernels.ops import CUDAGRAPH_UNSAFE
 
-    if CUDAGRAPH_UNSAFE is None:
+    if CUDAGRAPH_UNSAFE is None and ctx.options.cudagraphs:
         raise RuntimeError(f"option 'graph_splits' needs a torch with torch.Tag.cudagraph_unsafe "
                            f"(Inductor's graph partition); this is {torch.__version__}")
     # where dejavu::predict_ahead takes ``after``, from its schema

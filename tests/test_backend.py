@@ -514,10 +514,13 @@ def test_readme_lists_every_option_with_its_default():
 
 
 def test_graph_splits_cut_the_step_before_the_layers_asked():
-    """``graph_splits`` needs CUDA graphs and layer numbers from 1."""
+    """``graph_splits`` takes layer numbers from 1 and Inductor; it partitions Inductor's graph
+    only with ``cudagraphs`` (without, ``CapturedStep`` makes the cuts)."""
     base = {"selector": "oracle", "mlp_density": 0.5}
-    with pytest.raises(ValueError, match="needs cudagraphs=True"):
-        DejavuOptions.from_mapping({**base, "graph_splits": (2,)})
+    with pytest.raises(ValueError, match="graph_splits' needs inner='inductor'"):
+        DejavuOptions.from_mapping({**base, "inner": "eager", "graph_splits": (2,)})
+    plain = DejavuOptions.from_mapping({**base, "graph_splits": (2,)})
+    assert "graph_partition" not in dejavu_compile.backend.inductor_patches(plain)
     for bad in ((0,), (1.5,), "3", (True,)):
         with pytest.raises(ValueError, match="graph_splits"):
             DejavuOptions.from_mapping({**base, "cudagraphs": True, "graph_splits": bad})

@@ -57,6 +57,49 @@ def test_the_key_follows_the_cache_tensors_and_the_input_shapes(tiny):
     assert step.key({**_step_args(ids, cache), "use_cache": False}) != key
 
 
+def test_a_cache_key_is_checked_not_rebuilt_and_the_cache_is_not_kept(tiny):
+    """A cache's part of the key is worked out once and then checked: a layer's tensor
+    replaced (another object, or another address) or a layer replaced gives a new key, and the
+    step keeps no reference that would hold a dropped cache's memory."""
+    import gc
+    import weakref
+
+    model = tiny("llama")
+    step = CapturedStep(model.forward)
+    ids, cache = _prefilled(model)
+    key = step.key(_step_args(ids, cache))
+    assert step.key(_step_args(ids, cache)) == key
+    layer = cache.layers[1]
+    old_keys = layer.keys
+    layer.keys = old_keys.clone()
+    assert step.key(_step_args(ids, cache)) != key
+    layer.keys = old_keys
+    assert step.key(_step_args(ids, cache)) == key
+    cache.layers[0] = type(cache.layers[0]).__new__(type(cache.layers[0]))
+    cache.layers[0].__dict__.update(vars(cache.layers[1]))
+    assert step.key(_step_args(ids, cache)) != key
+    alive = weakref.ref(cache)
+    del cache, layer, old_keys
+    gc.collect()
+    assert alive() is None
+
+
+def test_graph_split_calls_the_cut_of_a_capture_only_inside_one():
+    """``dejavu::graph_split`` copies its input; inside ``graph_cuts`` (``CapturedStep``'s
+    capture) it then calls the cut, so the capture ends one graph there and begins the next."""
+    from dejavu_compile.kernels.ops import graph_cuts
+
+    calls = []
+    x = torch.randn(3, 4)
+    y = torch.ops.dejavu.graph_split(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr() and not calls
+    with graph_cuts(lambda: calls.append(1)):
+        torch.ops.dejavu.graph_split(x)
+        torch.ops.dejavu.graph_split(x)
+    torch.ops.dejavu.graph_split(x)
+    assert calls == [1, 1]
+
+
 def test_caches_a_replay_cannot_advance_are_refused(tiny):
     """A layer that counts its positions in a Python number (a sliding window of Gemma 3's
     static cache) would not advance under a replay, and a dynamic cache's tensors move every

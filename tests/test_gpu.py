@@ -206,14 +206,16 @@ def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
     assert agree >= 0.9, agree
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["fixed", "lookahead"])
-def test_captured_step_matches_the_compiled_step(tmp_path, ahead):
+@pytest.mark.parametrize("ahead,splits", [(False, ()), (True, ()), (True, (2, 4))],
+                         ids=["fixed", "lookahead", "segments"])
+def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits):
     """``CapturedStep`` (dejavu's own CUDA graph around the whole compiled call) gives the
     logits of the compiled step it wraps, step after step (the tokens and positions copied in,
     the static cache written in place), and captures once per cache: two prefilled caches, two
-    graphs, each replayed for its own steps. With fixed indices, and with lookahead predictors
-    whose side stream forks and joins inside the capture. Deterministic mode: the same kernels
-    give the same bits."""
+    captures, each replayed for its own steps. With fixed indices, with lookahead predictors
+    whose side stream forks and joins inside the capture, and with ``graph_splits``: each
+    capture cut into three graphs at the ``dejavu::graph_split`` ops, replayed in turn.
+    Deterministic mode: the same kernels give the same bits."""
     from dejavu_compile.bench import random_profile
 
     model = bench.small_llama(6)
@@ -221,7 +223,7 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead):
                            generator=torch.Generator("cuda").manual_seed(4))
     if ahead:
         options = {"profile": random_profile(model, 0.25, 0.5, 64, tmp_path / "ahead.yaml",
-                                             lookahead=True)}
+                                             lookahead=True), "graph_splits": splits}
     else:
         options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5}
     fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
@@ -232,8 +234,12 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead):
         first = _teacher_forced_logits(model, step, tokens, 24)
         second = _teacher_forced_logits(model, step, tokens, 24)  # a new cache
     assert step.captured == 2
+    assert step.segments == [len(splits) + 1] * 2
+    counters = dejavu_compile.report(model).counters
     if ahead:
-        assert dejavu_compile.report(model).counters.get("lookahead[mlp]", 0) > 0
+        assert counters.get("lookahead[mlp]", 0) > 0
+    if splits:
+        assert counters.get("graph_split", 0) >= 2 and "graph_split_skipped" not in counters
     for got in (first, second):
         assert torch.equal(got, want), _differ(got, want)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from dejavu_compile.kernels import reference as ref
@@ -232,3 +234,30 @@ def test_gpu_predictor_selects_the_same_set():
     got = predictor.select_predictor(x, w1, b1, w2, b2, "relu", 4, 2)
     assert got.shape == want.shape
     assert torch.equal(got.sort(dim=-1).values, want)
+
+
+def test_the_kernels_folder_under_its_own_name_registers_nothing_again():
+    """With the repository's root on sys.path (pytest, ``python -m``), transformers imports
+    "kernels" while looking for Hugging Face's package of that name. That must not run a second
+    copy of ``dejavu_compile.kernels`` (a copy registering the ops again would hold its own
+    state: the graph cuts, the tuned configs), and transformers must take it for absent."""
+    import importlib
+    import sys
+
+    import dejavu_compile.kernels as package
+    import dejavu_compile.kernels.ops as ops
+    from transformers.utils import import_utils
+
+    root = str(Path(ops.__file__).parents[1])
+    sys.path.insert(0, root)
+    try:
+        twin = importlib.import_module("kernels")
+        assert twin is not package and not hasattr(twin, "ops")
+        assert not any(m.startswith("kernels.") for m in sys.modules)
+        assert not import_utils.is_kernels_available.__wrapped__()
+    finally:
+        sys.path.remove(root)
+    calls = []
+    with ops.graph_cuts(lambda: calls.append(1)):  # the op still runs this module's code
+        torch.ops.dejavu.graph_split(torch.zeros(2))
+    assert calls == [1]
