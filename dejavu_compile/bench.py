@@ -1024,9 +1024,14 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
     if result["e2e"]:
         lines += ["### End to end (fp16, batch 1, 128-token prompt, 128 new tokens, static cache)",
                   "", "| model | mode | operating point | ms/token (p20-p80) | host ms | "
-                  "pipelined ms/token | bytes/token | byte floor ms | peak GiB |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "pipelined ms/token | bytes/token | byte floor ms | peak GiB | "
+                  "ms/token over HF compiled |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        # each mode's per-step time over its model's hf_compiled in the same run (issue 4's
+        # ratios are against that step)
+        hf = {r["model"]: r["ms_per_token"] for r in result["e2e"] if r["mode"] == "hf_compiled"}
         for r in result["e2e"]:
+            ratio = (f"{r['ms_per_token'] / hf[r['model']]:.3f}x" if r["model"] in hf else "")
             point = (f"MLP {r['operating_point']['mlp']}, attention "
                      f"{r['operating_point']['attention']}"
                      if r["mode"] in SPARSE_MODES else "")
@@ -1034,7 +1039,7 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                 f"| {r['model']} | {r['mode']} | {point} | {r['ms_per_token']:.2f} "
                 f"({r['p20']:.2f}-{r['p80']:.2f}) | {_ms(r.get('host_ms'))} | "
                 f"{_ms(r.get('pipelined_ms'))} | {r['bytes_per_token'] / 1e9:.2f} GB | "
-                f"{r['floor_ms']:.2f} | {r['peak_gib']:.1f} |")
+                f"{r['floor_ms']:.2f} | {r['peak_gib']:.1f} | {ratio} |")
         lines += ["", "host ms: median time until a step's call returned, before waiting for the "
                   "GPU (guards, launches, CUDA-graph replay); near ms/token, the host sets the "
                   "pace. pipelined: the same steps launched back to back, the next token and "

@@ -154,6 +154,12 @@ def test_markdown_has_every_section():
     assert "commit `abc1234`" in text and "| m | mlp | 0.1 | 2 | 10.0 us" in text
     assert "| m | hf_compiled |  | 5.00 (4.90-5.10) | 1.50 | 4.50 |" in text  # no operating point
     assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
+    assert "| 1.0 | 1.000x |" in text  # the per-step time over the run's hf_compiled
+    result["e2e"][1]["ms_per_token"] = 2.0
+    assert "| 1.0 | 0.400x |" in bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
+    result["e2e"][1]["ms_per_token"] = 5.0
+    alone = {**result, "e2e": result["e2e"][1:]}  # no hf_compiled row: no ratio
+    assert "| 1.0 |  |" in bench.markdown(alone, "dejavu bench", "abc1234", "2026-11-30")
     assert "GPU kernel time per decode step, m dejavu_topk" in text
     assert ("last kernel end 4.50 ms a step, of which 0.75 ms with no kernel running and "
             "0.12 ms with two or more at once; kernels on 2 streams") in text
