@@ -596,7 +596,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_fold", "dejavu_fixed", "dejavu_topk", "dejavu_pdl", "dejavu_sdpa", "dejavu_gemv",
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
          "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead",
-         "dejavu_captured_split", "dejavu_captured_split_ahead")
+         "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
+         "dejavu_captured_ahead2")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -647,7 +648,13 @@ _DEJAVU_MODES = {
                                                           "graph_splits": (2, 8)}),
     "dejavu_captured_split_ahead": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                                "graph_splits": (2, 8)}),
+    # dejavu_captured and dejavu_captured_ahead with two captures replayed in turn
+    # (CapturedStep's copies): a step's graph launch need not wait for the step before's
+    "dejavu_captured2": (True, False, BUCKET_UNITS, {"cudagraphs": False}),
+    "dejavu_captured_ahead2": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
 }
+# the captures per key of the modes that replay through CapturedStep with more than one
+_CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
 
 
 @contextlib.contextmanager
@@ -705,7 +712,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
         options = {"profile": profile, "cudagraphs": True, **extra}
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         if mode.startswith("dejavu_captured"):
-            fwd = dejavu_compile.CapturedStep(fwd)
+            fwd = dejavu_compile.CapturedStep(fwd, copies=_CAPTURE_COPIES.get(mode, 1))
         # the step is compiled and its kernels captured in here
         with kernel_switches(mode):
             res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)

@@ -25,6 +25,12 @@ place (Hugging Face's ``StaticCache`` with full attention layers does; a sliding
 keeps a Python count, which a replay would not advance, and is refused). On CPU, or with no
 tensor argument, the call goes straight to the forward.
 
+Copies: ``CapturedStep(forward, copies=2)`` captures the step twice per key and replays the
+captures in turn (each with its own output, which the call after next overwrites). CUDA runs
+one launch of a graph at a time; with two, a step's launch need not wait for the one before.
+Whether that pays is not measured yet (BENCHMARKS.md: back to back, one capture was slower
+than Inductor's graphs of the same kernels).
+
 Segments: a forward compiled with ``graph_splits`` (and without ``cudagraphs``) runs a
 ``dejavu::graph_split`` op at each cut; while this class captures, that op ends the CUDA graph
 being captured and begins the next, so the step becomes one graph per segment, replayed in
@@ -87,11 +93,14 @@ class CapturedStep:
     """``forward`` (a compiled decode step) replayed from CUDA graphs captured per cache and
     input shapes; see the module docstring."""
 
-    def __init__(self, forward: Callable[..., Any]):
+    def __init__(self, forward: Callable[..., Any], copies: int = 1):
+        if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
+            raise ValueError(f"CapturedStep: copies must be an int >= 1, got {copies!r}")
         self.forward = forward
-        # key -> (graphs in replay order, the tensor arguments' copies, the output)
-        self._graphs: dict[tuple, tuple[list[torch.cuda.CUDAGraph], dict[str, torch.Tensor],
-                                        Any]] = {}
+        self.copies = copies
+        # key -> [the tensor arguments' copies, [(graphs in replay order, output) per capture
+        # of the step], the capture the next call replays]
+        self._graphs: dict[tuple, list] = {}
         self._seen: set[tuple] = set()
         self._pool = None  # one memory pool for every graph this step captures
         # id(cache) -> (weak reference, its layers' ids, [(layer, name, tensor's id, address)],
@@ -141,7 +150,7 @@ class CapturedStep:
     def segments(self) -> list[int]:
         """The CUDA graphs of each capture, in capture order: 1 unless the forward was compiled
         with ``graph_splits``."""
-        return [len(graphs) for graphs, _, _ in self._graphs.values()]
+        return [len(captures[0][0]) for _, captures, _ in self._graphs.values()]
 
     def __call__(self, **kwargs: Any) -> Any:
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
@@ -153,19 +162,23 @@ class CapturedStep:
             if key not in self._seen:  # compile and autotune outside a capture
                 self._seen.add(key)
                 return self.forward(**kwargs)
-            entry = self._graphs[key] = self._capture(kwargs, tensors)
-        graphs, inputs, out = entry
+            # same strides as the call's tensors, so the guards of the compiled forward hold
+            inputs = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                device=t.device).copy_(t)
+                      for name, t in tensors.items()}
+            captures = [self._capture(kwargs, inputs) for _ in range(self.copies)]
+            entry = self._graphs[key] = [inputs, captures, 0]
+        inputs, captures, turn = entry
+        graphs, out = captures[turn]
+        entry[2] = (turn + 1) % len(captures)
         torch._foreach_copy_([inputs[name] for name in tensors], list(tensors.values()))
         for graph in graphs:
             graph.replay()
         return out
 
-    def _capture(self, kwargs: dict[str, Any], tensors: dict[str, torch.Tensor]):
+    def _capture(self, kwargs: dict[str, Any], inputs: dict[str, torch.Tensor]):
         from dejavu_compile.kernels.ops import graph_cuts
 
-        # same strides as the call's tensors, so the guards of the compiled forward still hold
-        inputs = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device
-                                            ).copy_(t) for name, t in tensors.items()}
         graphs = [torch.cuda.CUDAGraph()]
 
         def cut() -> None:  # at each dejavu::graph_split: the next segment shares the pool
@@ -190,4 +203,4 @@ class CapturedStep:
                 f"stream crosses a graph_splits cut?): {e}") from e
         torch.cuda.current_stream().wait_stream(stream)
         self._pool = graphs[-1].pool()
-        return graphs, inputs, out
+        return graphs, out

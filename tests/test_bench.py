@@ -391,7 +391,8 @@ def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
 
     def latency(model, forward, prompt, new, mode, bytes_per_token, breakdown=False):
         seen.append(mode)
-        captured.append(isinstance(forward, dejavu_compile.CapturedStep))
+        captured.append(forward.copies if isinstance(forward, dejavu_compile.CapturedStep)
+                        else 0)
         return SimpleNamespace(mode=mode, bytes_per_token=0)
 
     monkeypatch.setattr(bench, "random_model", lambda cfg: tiny("llama"))
@@ -403,10 +404,10 @@ def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
     monkeypatch.setattr(dejavu_compile, "report",
                         lambda model: SimpleNamespace(bytes_sparse=1))
     modes = ["dejavu_split", "dejavu_captured", "hf_captured", "dejavu_sparse", "hf_compiled",
-             "dejavu_split"]
+             "dejavu_split", "dejavu_captured_ahead2"]
     got = [r.mode for r in bench.end_to_end("llama-3-8b", None, {"mlp": 0.5, "attention": 1.0},
                                             modes=modes)]
     assert got == seen == ["hf_compiled", "hf_captured", "dejavu_split", "dejavu_captured",
-                           "dejavu_sparse"]
-    # the two captured modes replay a capture of their own
-    assert captured == [False, True, False, True, False]
+                           "dejavu_sparse", "dejavu_captured_ahead2"]
+    # the captured modes replay captures of their own: one per key, two for the "2" mode
+    assert captured == [0, 1, 0, 1, 0, 2]

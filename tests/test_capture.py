@@ -123,5 +123,12 @@ def test_caches_a_replay_cannot_advance_are_refused(tiny):
         step.key({**_step_args(ids, cache), "extra": [1]})
 
 
+def test_copies_must_be_a_count():
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="copies must be an int >= 1"):
+            CapturedStep(lambda **kw: None, copies=bad)
+    assert CapturedStep(lambda **kw: None, copies=2).copies == 2
+
+
 def test_it_is_part_of_the_public_api():
     assert "CapturedStep" in dejavu_compile.__all__

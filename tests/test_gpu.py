@@ -206,16 +206,18 @@ def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
     assert agree >= 0.9, agree
 
 
-@pytest.mark.parametrize("ahead,splits", [(False, ()), (True, ()), (True, (2, 4))],
-                         ids=["fixed", "lookahead", "segments"])
-def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits):
+@pytest.mark.parametrize("ahead,splits,copies", [(False, (), 1), (True, (), 1),
+                                                 (True, (2, 4), 1), (True, (), 2)],
+                         ids=["fixed", "lookahead", "segments", "copies"])
+def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits, copies):
     """``CapturedStep`` (dejavu's own CUDA graph around the whole compiled call) gives the
     logits of the compiled step it wraps, step after step (the tokens and positions copied in,
     the static cache written in place), and captures once per cache: two prefilled caches, two
     captures, each replayed for its own steps. With fixed indices, with lookahead predictors
     whose side stream forks and joins inside the capture, and with ``graph_splits``: each
-    capture cut into three graphs at the ``dejavu::graph_split`` ops, replayed in turn.
-    Deterministic mode: the same kernels give the same bits."""
+    capture cut into three graphs at the ``dejavu::graph_split`` ops, replayed in turn; and with
+    two captures per cache replayed in turn (``copies=2``). Deterministic mode: the same
+    kernels give the same bits."""
     from dejavu_compile.bench import random_profile
 
     model = bench.small_llama(6)
@@ -230,7 +232,7 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits):
     with _deterministic():
         _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
         want = _teacher_forced_logits(model, fwd, tokens, 24)
-        step = dejavu_compile.CapturedStep(fwd)
+        step = dejavu_compile.CapturedStep(fwd, copies=copies)
         first = _teacher_forced_logits(model, step, tokens, 24)
         second = _teacher_forced_logits(model, step, tokens, 24)  # a new cache
     assert step.captured == 2
