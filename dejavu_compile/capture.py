@@ -19,11 +19,12 @@ The returned output is the captured one: its tensors are overwritten by the next
 Inductor's CUDA graphs. Arguments that are not tensors (the cache, flags) are part of the key:
 other values make another capture. A cache's part of the key is worked out in full once per
 cache object and then only checked (its layers' tensors are still the same objects at the same
-addresses): the full walk over the layers took 443 us a call for a 40-layer cache on a CPU core,
-a tenth of a decode step. The cache must be one that keeps all its state in tensors updated in
-place (Hugging Face's ``StaticCache`` with full attention layers does; a sliding-window layer
-keeps a Python count, which a replay would not advance, and is refused). On CPU, or with no
-tensor argument, the call goes straight to the forward.
+addresses): the full walk over the layers took 443 us a call for a 40-layer cache on a CPU core
+of the development machine, against 77 us for the check (an H200 decode step takes about 5 ms).
+The cache must be one that keeps all its state in tensors updated in place (Hugging Face's
+``StaticCache`` with full attention layers does; a sliding-window layer keeps a Python count,
+which a replay would not advance, and is refused). On CPU, or with no tensor argument, the call
+goes straight to the forward.
 
 Copies: ``CapturedStep(forward, copies=2)`` captures the step twice per key and replays the
 captures in turn (each with its own output, which the call after next overwrites). CUDA runs
@@ -36,7 +37,9 @@ Segments: a forward compiled with ``graph_splits`` (and without ``cudagraphs``) 
 being captured and begins the next, so the step becomes one graph per segment, replayed in
 order. A graph's launch costs the host time in proportion to its kernels and the GPU starts a
 graph only once its launch returns, so with segments the GPU starts on the first while the host
-launches the rest (``segments``: the graphs per capture).
+launches the rest (``segments``: the graphs per capture). Measured on OPT-13B with lookahead
+(BENCHMARKS.md, fourteenth session, one run) three segments gained nothing: three launches
+cost the host more than one, so a launch has a large fixed part.
 
 Compile the forward without ``cudagraphs``: its kernels are to be recorded in this graph, not
 in Inductor's.
@@ -103,8 +106,8 @@ class CapturedStep:
         self._graphs: dict[tuple, list] = {}
         self._seen: set[tuple] = set()
         self._pool = None  # one memory pool for every graph this step captures
-        # id(cache) -> (weak reference, its layers' ids, [(layer, name, tensor's id, address)],
-        # its part of the key)
+        # id(cache) -> (weak reference, its layers' ids, [(layer index, attribute name,
+        # tensor's id, address)], its part of the key)
         self._caches: dict[int, tuple] = {}
 
     def _cache_state(self, value: Any) -> tuple:

@@ -119,7 +119,9 @@ class DejavuOptions:
         is forked just after the cut instead (``graph_split_fork_moved`` in the report); a cut
         that cannot be made so is left out (``graph_split_skipped``). On an H200 (BENCHMARKS.md,
         thirteenth session) ``(2, 8)`` made Llama-3-8B's step 5-7% faster in two runs of two, and
-        OPT-13B's 3.9% slower in one; off by default.
+        OPT-13B's 3.9% slower in one; in the fourteenth, OPT-13B's lookahead step 8% faster in one
+        run, and under ``CapturedStep`` no faster (three launches cost the host more than one).
+        Off by default.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
