@@ -26,7 +26,8 @@ demo: install
 # Two pytest processes, one per core of the CI machine (2 cores; the suite is mostly one
 # thread): the kernel, op, example and real-model tests in one, the rest in the other. On 2
 # cores in the fourteenth session, with the calibration tests in the first group, it took
-# 14.8 minutes and the second 8.8; the calibration tests (about 2.5 minutes) moved over.
+# 14.8 minutes and the second 8.8; with them moved over, a clean clone's run took 15.0 and
+# 15.3 (17.6 in all with the install): the two compete for the cores.
 TESTS_A := tests/test_kernels.py tests/test_ops.py tests/test_real_models.py \
 	tests/test_examples.py
 
