@@ -3,6 +3,7 @@ rewritten graph to the inner compiler (Inductor by default)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -168,19 +169,39 @@ def report(model: torch.nn.Module) -> CompileReport:
     return CompileReport(graphs)
 
 
-def compile(model: torch.nn.Module, **options) -> torch.nn.Module:  # noqa: A001
+def compile(model: torch.nn.Module, *, capture: bool = False,  # noqa: A001
+            **options) -> torch.nn.Module:
     """Compile ``model`` in place with the dejavu backend, so ``model.generate()`` uses it.
 
     ``torch.compile(model, ...)`` returns a wrapper whose ``generate`` still calls the plain
     model; ``nn.Module.compile`` compiles the module's own ``__call__`` instead. Hugging Face's
     own automatic compilation (static caches on GPU) is switched off: it would trace through
     this backend with Inductor alone.
+
+    ``capture=True``: the compiled ``forward`` is replayed through ``CapturedStep`` instead
+    (installed as the model's ``forward``, with the original's signature, which ``generate``
+    reads to choose its arguments). ``model.generate(..., cache_implementation="static")``
+    then replays each decode step from dejavu's own CUDA graph on a GPU: with a static cache,
+    transformers 5.17 gives every decode step the same shapes (a 4-d mask of the cache's
+    length), so the second step captures and the later ones replay. The prefill (its cache not
+    filled yet) and calls on CPU run the compiled forward as it is. Leave ``cudagraphs`` off.
     """
     opts = DejavuOptions.from_mapping(options)
+    if capture and opts.cudagraphs:
+        raise ValueError("compile(capture=True) records its own CUDA graphs (CapturedStep); "
+                         "leave the option 'cudagraphs' off")
     register_model(model)
     ensure_recompile_budget()
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.disable_compile = True
-    model.compile(backend=dejavu_backend, options=opts)
+    if not capture:
+        model.compile(backend=dejavu_backend, options=opts)
+        return model
+    from .capture import CapturedStep
+
+    forward = model.forward
+    step = CapturedStep(torch.compile(forward, backend=dejavu_backend, options=opts))
+    functools.update_wrapper(step, forward)  # generate reads the signature through __wrapped__
+    model.forward = step
     return model

@@ -23,8 +23,11 @@ addresses): the full walk over the layers took 443 us a call for a 40-layer cach
 of the development machine, against 77 us for the check (an H200 decode step takes about 5 ms).
 The cache must be one that keeps all its state in tensors updated in place (Hugging Face's
 ``StaticCache`` with full attention layers does; a sliding-window layer keeps a Python count,
-which a replay would not advance, and is refused). On CPU, or with no tensor argument, the call
-goes straight to the forward.
+which a replay would not advance, and is refused). On CPU, with no tensor argument, or with a
+cache not filled yet (a prefill), the call goes straight to the forward.
+
+With ``generate``: ``dejavu_compile.compile(model, capture=True)`` installs this class as the
+model's forward (see there).
 
 Copies: ``CapturedStep(forward, copies=2)`` captures the step twice per key and replays the
 captures in turn (each with its own output, which the call after next overwrites). CUDA runs
@@ -47,6 +50,7 @@ in Inductor's.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +94,13 @@ def _state(value: Any) -> tuple:
     if not ptrs:
         raise ValueError("CapturedStep: the cache has no layers yet (run the prefill first)")
     return ("cache", type(value).__name__, tuple(ptrs))
+
+
+def _unfilled(value: Any) -> bool:
+    """Whether ``value`` is a cache with a layer that holds no tensors yet: the prefill that
+    fills it runs as it is (``generate``'s first call)."""
+    return any(getattr(layer, "is_initialized", True) is False
+               for layer in getattr(value, "layers", None) or ())
 
 
 class CapturedStep:
@@ -155,9 +166,13 @@ class CapturedStep:
         with ``graph_splits``."""
         return [len(captures[0][0]) for _, captures, _ in self._graphs.values()]
 
-    def __call__(self, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:  # by name, as the key reads them (``model(ids)`` once installed as forward)
+            signature = inspect.signature(getattr(self, "__wrapped__", self.forward))
+            kwargs = {**signature.bind_partial(*args).arguments, **kwargs}
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        if not tensors or any(t.device.type != "cuda" for t in tensors.values()):
+        if not tensors or any(t.device.type != "cuda" for t in tensors.values()) or any(
+                _unfilled(v) for v in kwargs.values()):
             return self.forward(**kwargs)
         key = self.key(kwargs)
         entry = self._graphs.get(key)

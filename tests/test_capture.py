@@ -123,6 +123,61 @@ def test_caches_a_replay_cannot_advance_are_refused(tiny):
         step.key({**_step_args(ids, cache), "extra": [1]})
 
 
+def test_compile_with_capture_serves_generate(tiny):
+    """``compile(model, capture=True)`` installs ``CapturedStep`` as the model's forward with
+    the forward's signature, so ``generate`` passes what it passed before (the mask, the
+    positions): with a static cache every decode step has the same key, so on a GPU the second
+    captures and the rest replay. The prefill, its cache not filled yet, runs as it is. On CPU
+    the tokens are those of the model compiled without capture, and a positional call works."""
+    import inspect
+
+    from dejavu_compile.capture import _unfilled
+
+    options = {"selector": "oracle", "mlp_density": 0.5}
+    ids = prompt()
+    settings = dict(max_new_tokens=5, do_sample=False, cache_implementation="static",
+                    pad_token_id=0)
+    with torch.no_grad():
+        want = dejavu_compile.compile(tiny("llama"), **options).generate(ids, **settings)
+    # Dynamo keeps compiled code per code object: the twin's graphs (its weights re-laid out
+    # in place) must not be offered to the other model's forward
+    torch._dynamo.reset()
+    model = dejavu_compile.compile(tiny("llama"), capture=True, **options)
+    step = model.forward
+    assert isinstance(step, CapturedStep)
+    assert "attention_mask" in inspect.signature(step).parameters
+    keys, inner = [], step.forward
+
+    def recording(**kwargs):
+        keys.append(None if any(_unfilled(v) for v in kwargs.values()) else step.key(kwargs))
+        return inner(**kwargs)
+
+    step.forward = recording
+    with torch.no_grad():
+        got = model.generate(ids, **settings)
+        logits = model(ids).logits
+    assert torch.equal(got, want)
+    # the prefill, four decode steps (five new tokens), then the positional call's
+    assert keys[0] is None and len(keys) == 6
+    assert keys[1] is not None and all(k == keys[1] for k in keys[2:5])
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    with pytest.raises(ValueError, match="leave the option 'cudagraphs' off"):
+        dejavu_compile.compile(tiny("llama"), capture=True, cudagraphs=True, **options)
+
+
+def test_a_prefill_into_an_unfilled_cache_runs_as_it_is(tiny):
+    """A cache whose layers hold no tensors yet cannot be keyed (``key`` refuses it); the call,
+    the prefill that fills it, goes to the forward."""
+    model = tiny("llama")
+    step = CapturedStep(model.forward)
+    ids = prompt()
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert out.logits.shape[1] == ids.shape[1] and step.captured == 0
+    assert all(layer.is_initialized for layer in cache.layers)
+
+
 def test_copies_must_be_a_count():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="copies must be an int >= 1"):

@@ -246,6 +246,29 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits, copies
         assert torch.equal(got, want), _differ(got, want)
 
 
+def test_generate_replays_the_captured_step():
+    """``dejavu_compile.compile(model, capture=True)``: ``generate`` with a static cache gives
+    the tokens of the model compiled without capture (deterministic mode), its decode steps
+    replayed from one capture (the prefill runs as it is, the first decode step compiles, the
+    second captures)."""
+    import copy
+
+    model = bench.small_llama(6)
+    twin = copy.deepcopy(model)
+    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5}
+    ids = torch.randint(0, 512, (1, 32), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(5))
+    settings = dict(max_new_tokens=24, do_sample=False, cache_implementation="static",
+                    pad_token_id=0)
+    with _deterministic(), torch.no_grad():
+        want = dejavu_compile.compile(twin, **options).generate(ids, **settings)
+        torch._dynamo.reset()  # the twin's compiled code is not offered to the other model
+        dejavu_compile.compile(model, capture=True, **options)
+        got = model.generate(ids, **settings)
+    assert model.forward.captured == 1
+    assert torch.equal(got, want), (got, want)
+
+
 def test_programmatic_launch_matches_the_reference(monkeypatch):
     """With ``DEJAVU_PDL=1`` (programmatic dependent launch, Hopper and later) a selector
     followed by the sparse MLP and head kernels, captured in a CUDA graph and replayed, gives
