@@ -70,11 +70,12 @@ def _state(value: Any) -> tuple:
                             "tensor, a cache nor a plain value; a captured graph cannot take it"
                             ) from None
         return ("value", value)
+    unfilled = _unfilled_layer(value)
+    if unfilled is not None:
+        raise ValueError(f"CapturedStep: cache layer {unfilled} holds no tensors yet (run the "
+                         "prefill first)")
     ptrs = []
     for i, layer in enumerate(layers):
-        if getattr(layer, "is_initialized", True) is False:
-            raise ValueError(f"CapturedStep: cache layer {i} holds no tensors yet (run the "
-                             "prefill first)")
         if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             raise ValueError(
                 f"CapturedStep: cache layer {i} ({type(layer).__name__}) keeps no count of its "
@@ -96,11 +97,14 @@ def _state(value: Any) -> tuple:
     return ("cache", type(value).__name__, tuple(ptrs))
 
 
-def _unfilled(value: Any) -> bool:
-    """Whether ``value`` is a cache with a layer that holds no tensors yet: the prefill that
-    fills it runs as it is (``generate``'s first call)."""
-    return any(getattr(layer, "is_initialized", True) is False
-               for layer in getattr(value, "layers", None) or ())
+def _unfilled_layer(value: Any) -> int | None:
+    """The first layer of the cache ``value`` that holds no tensors yet (None when every layer
+    does, or ``value`` is no cache): ``_state`` refuses such a cache, and a call with one (the
+    prefill that fills it, ``generate``'s first call) runs as it is."""
+    for i, layer in enumerate(getattr(value, "layers", None) or ()):
+        if getattr(layer, "is_initialized", True) is False:
+            return i
+    return None
 
 
 class CapturedStep:
@@ -131,9 +135,8 @@ class CapturedStep:
                 id(t := getattr(layers[i], name, None)) == tid and t.data_ptr() == ptr
                 for i, name, tid, ptr in memo[2]):
             return memo[3]
-        state = _state(value)
-        tensors = [(i, name, id(t), t.data_ptr()) for i, layer in enumerate(layers)
-                   for name, t in vars(layer).items() if isinstance(t, torch.Tensor)]
+        state = _state(value)  # ("cache", type name, ((layer index, name, address), ...))
+        tensors = [(i, name, id(getattr(layers[i], name)), ptr) for i, name, ptr in state[2]]
         try:
             self._caches[id(value)] = (weakref.ref(value), tuple(map(id, layers)), tensors, state)
         except TypeError:  # no weak references to it: worked out in full on every call
@@ -172,7 +175,7 @@ class CapturedStep:
             kwargs = {**signature.bind_partial(*args).arguments, **kwargs}
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         if not tensors or any(t.device.type != "cuda" for t in tensors.values()) or any(
-                _unfilled(v) for v in kwargs.values()):
+                _unfilled_layer(v) is not None for v in kwargs.values()):
             return self.forward(**kwargs)
         key = self.key(kwargs)
         entry = self._graphs.get(key)

@@ -131,7 +131,7 @@ def test_compile_with_capture_serves_generate(tiny):
     the tokens are those of the model compiled without capture, and a positional call works."""
     import inspect
 
-    from dejavu_compile.capture import _unfilled
+    from dejavu_compile.capture import _unfilled_layer
 
     options = {"selector": "oracle", "mlp_density": 0.5}
     ids = prompt()
@@ -149,7 +149,8 @@ def test_compile_with_capture_serves_generate(tiny):
     keys, inner = [], step.forward
 
     def recording(**kwargs):
-        keys.append(None if any(_unfilled(v) for v in kwargs.values()) else step.key(kwargs))
+        keys.append(None if any(_unfilled_layer(v) is not None for v in kwargs.values())
+                    else step.key(kwargs))
         return inner(**kwargs)
 
     step.forward = recording
