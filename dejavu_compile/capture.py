@@ -11,20 +11,21 @@ graph's launch, and on an H200 a step took about the host's time plus the GPU's 
 twelfth and thirteenth sessions). Replaying a graph captured around
 the whole compiled call leaves only the copies of the new inputs and the launch.
 
-How: the first call with a given cache (its tensors' addresses) and input shapes and strides
-runs the forward as it is (it compiles and autotunes there, which a capture cannot hold). The
-second captures it into ``torch.cuda.CUDAGraph``s reading copies of the tensor arguments, then
-replays them; every later call copies its tensors into those copies (one launch) and replays.
-The returned output is the captured one: its tensors are overwritten by the next call, as with
-Inductor's CUDA graphs. Arguments that are not tensors (the cache, flags) are part of the key:
-other values make another capture. A cache's part of the key is worked out in full once per
-cache object and then only checked (its layers' tensors are still the same objects at the same
-addresses): the full walk over the layers took 443 us a call for a 40-layer cache on a CPU core
-of the development machine, against 77 us for the check (an H200 decode step takes about 5 ms).
-The cache must be one that keeps all its state in tensors updated in place (Hugging Face's
-``StaticCache`` with full attention layers does; a sliding-window layer keeps a Python count,
-which a replay would not advance, and is refused). On CPU, with no tensor argument, or with a
-cache not filled yet (a prefill), the call goes straight to the forward.
+How: the first calls with a given cache (its tensors' addresses) and input shapes and strides
+run the forward as it is (it compiles and autotunes there, which a capture cannot hold), until
+one compiles nothing. The next captures it into ``torch.cuda.CUDAGraph``s reading copies of the
+tensor arguments, then replays them; every later call copies its tensors into those copies (one
+launch) and replays. The returned output is the captured one: its tensors are overwritten by
+the next call, as with Inductor's CUDA graphs. Arguments that are not tensors (the cache,
+flags) are part of the key: other values make another capture. A cache's part of the key is
+worked out in full once per cache object and then only checked (its layers' tensors are still
+the same objects at the same addresses): the full walk over the layers took 443 us a call for a
+40-layer cache on a CPU core of the development machine, against 77 us for the check (an H200
+decode step takes about 5 ms). The cache must be one that keeps all its state in tensors
+updated in place (Hugging Face's ``StaticCache`` with full attention layers does; a
+sliding-window layer keeps a Python count, which a replay would not advance, and is refused).
+On CPU, with no tensor argument, or with a cache not filled yet (a prefill), the call goes
+straight to the forward.
 
 With ``generate``: ``dejavu_compile.compile(model, capture=True)`` installs this class as the
 model's forward (see there).
@@ -181,8 +182,7 @@ class CapturedStep:
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:  # compile and autotune outside a capture
-                self._seen.add(key)
-                return self.forward(**kwargs)
+                return self._warm(key, kwargs)
             # same strides as the call's tensors, so the guards of the compiled forward hold
             inputs = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                                 device=t.device).copy_(t)
@@ -195,6 +195,23 @@ class CapturedStep:
         torch._foreach_copy_([inputs[name] for name in tensors], list(tensors.values()))
         for graph in graphs:
             graph.replay()
+        return out
+
+    def _warm(self, key: tuple, kwargs: dict[str, Any]) -> Any:
+        """A call of ``key`` not captured yet runs as it is; the next one captures only if this
+        one compiled nothing. A forward whose call changes what its own guards check compiles
+        again on the next call (dejavu's in-place re-layout of the weights changes their
+        strides: ``generate``'s first two decode steps both compile), and a compile cannot run
+        inside a capture."""
+        from torch._dynamo.utils import counters
+
+        def compiles() -> int:
+            return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
+
+        before = compiles()
+        out = self.forward(**kwargs)
+        if compiles() == before:
+            self._seen.add(key)
         return out
 
     def _capture(self, kwargs: dict[str, Any], inputs: dict[str, torch.Tensor]):

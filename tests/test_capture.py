@@ -166,6 +166,26 @@ def test_compile_with_capture_serves_generate(tiny):
         dejavu_compile.compile(tiny("llama"), capture=True, cudagraphs=True, **options)
 
 
+def test_a_step_is_captured_only_after_a_call_that_compiled_nothing(tiny):
+    """A capture cannot hold a compile. The first decode step compiles; it re-lays out the
+    weights in place, which changes what its guards check, so the second compiles again (on the
+    GPU it was captured and failed, fourteenth session's test of ``generate``); only after the
+    third, which compiles nothing, is the key ready to capture."""
+    model = tiny("llama")
+    compiled = torch.compile(model.forward, backend="dejavu",
+                             options={"selector": "oracle", "mlp_density": 0.5})
+    step = CapturedStep(compiled)
+    ids, cache = _prefilled(model)
+    args = _step_args(ids, cache)
+    key = step.key(args)
+    ready = []
+    with torch.no_grad():
+        for _ in range(3):
+            step._warm(key, args)
+            ready.append(key in step._seen)
+    assert ready == [False, False, True]
+
+
 def test_a_prefill_into_an_unfilled_cache_runs_as_it_is(tiny):
     """A cache whose layers hold no tensors yet cannot be keyed (``key`` refuses it); the call,
     the prefill that fills it, goes to the forward."""

@@ -249,8 +249,8 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits, copies
 def test_generate_replays_the_captured_step():
     """``dejavu_compile.compile(model, capture=True)``: ``generate`` with a static cache gives
     the tokens of the model compiled without capture (deterministic mode), its decode steps
-    replayed from one capture (the prefill runs as it is, the first decode step compiles, the
-    second captures)."""
+    replayed from one capture (the prefill runs as it is, the first two decode steps compile,
+    the second because the first re-laid out the weights in place, the third captures)."""
     import copy
 
     model = bench.small_llama(6)
