@@ -597,7 +597,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
          "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead",
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
-         "dejavu_captured_ahead2")
+         "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -652,6 +652,10 @@ _DEJAVU_MODES = {
     # (CapturedStep's copies): a step's graph launch need not wait for the step before's
     "dejavu_captured2": (True, False, BUCKET_UNITS, {"cudagraphs": False}),
     "dejavu_captured_ahead2": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
+    # dejavu_lookahead and dejavu_captured_ahead with lazy K/V: the K and V projections of the
+    # selected heads only, missing positions filled in later (option lazy_kv)
+    "dejavu_lazy": (True, True, BUCKET_UNITS, {"lazy_kv": True}),
+    "dejavu_captured_lazy": (True, True, BUCKET_UNITS, {"cudagraphs": False, "lazy_kv": True}),
 }
 # the captures per key of the modes that replay through CapturedStep with more than one
 _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}

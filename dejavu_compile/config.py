@@ -122,6 +122,16 @@ class DejavuOptions:
         OPT-13B's 3.9% slower in one; in the fourteenth, OPT-13B's lookahead step 8% faster in one
         run, and under ``CapturedStep`` no faster (three launches cost the host more than one).
         Off by default.
+    lazy_kv: an attention block with a head selector (predictor or fixed) computes the keys
+        and values of its selected heads only, writes zeros for the others, and keeps each
+        token's block input so that a head's missing positions are computed when it is next
+        selected (paper section 4.2, "missing KV cache"; ``dejavu::lazy_kv``, state per cache
+        in ``kernels/kv_state.py``): the K/V projections read the selected heads' weights only.
+        It costs the kept inputs, [batch, cache length, hidden] per layer (half the cache's
+        size when K/V heads equal query heads). Applies where the keys and values go from
+        their projections to a static cache's ``index_copy_`` through views only (no rotary
+        embedding: OPT's attention) and K/V heads equal query heads; other blocks keep dense
+        K/V (``lazy_kv_skipped`` in the report). Off by default: not yet measured on a GPU.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -147,6 +157,7 @@ class DejavuOptions:
     workspaces: bool = True
     merge_attention: bool = False
     graph_splits: tuple[int, ...] = ()
+    lazy_kv: bool = False
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:

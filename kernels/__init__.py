@@ -21,13 +21,14 @@ if __name__ != "kernels":
         _mlp, _head_proj = reference.sparse_mlp, reference.sparse_head_proj
     else:
         HAVE_TRITON = True
-        from . import decode_attention, dense, heads, sparse_mlp
+        from . import decode_attention, dense, heads, lazy_kv, sparse_mlp
 
         _mlp, _head_proj = sparse_mlp.sparse_mlp, heads.sparse_head_proj
         ops.sparse_head_out.register_kernel("cuda")(heads.sparse_head_out)
         ops.sparse_mlp_gated.register_kernel("cuda")(sparse_mlp.sparse_mlp_gated)
         kv.decode_attention.register_kernel("cuda")(decode_attention.decode_attention)
         ops.gemv.register_kernel("cuda")(dense.gemv)
+        ops.lazy_kv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_kv, 9))
     # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
     ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9))
     ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))

@@ -316,3 +316,34 @@ def graph_split(x: torch.Tensor) -> torch.Tensor:
 @graph_split.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+# The cache's kept inputs and valid prefixes (``kv_state.lazy_state``) are state of the op, like
+# a kernel's tuned configs: read and written only by this op, so not declared.
+@torch.library.custom_op(f"{_LIB}::lazy_kv", mutates_args=("keys", "values"))
+def lazy_kv(
+    x: torch.Tensor,
+    idx: torch.Tensor | None,
+    wk: torch.Tensor,
+    bk: torch.Tensor | None,
+    wv: torch.Tensor,
+    bv: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    slot: int = -1,
+) -> None:
+    """The K/V projections and cache write of an attention block with a head selector, lazily
+    (``DejavuOptions.lazy_kv``, paper section 4.2): keys and values of the selected heads only,
+    their missing earlier positions filled in from the kept inputs (``kernels/kv_state.py``).
+    ``keep`` and ``slot`` join a lookahead predictor's side stream on CUDA."""
+    from .kv_state import lazy_state
+
+    state = lazy_state(keys, x.shape[-1], x.dtype)
+    ref.lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, state.inputs, state.valid)
+
+
+@lazy_kv.register_fake
+def _(x, idx, wk, bk, wv, bv, keys, values, pos, keep=None, slot=-1):
+    return None

@@ -307,3 +307,55 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if mask is not None:
         s = s.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
     return (s.softmax(-1) @ vv).to(q.dtype)
+
+
+def selected_heads(idx: torch.Tensor | None, batch: int, tokens: int, heads: int) -> torch.Tensor:
+    """[batch, heads] bool: the heads whose keys and values ``lazy_kv`` computes. All of them
+    when there is no selection or several new tokens (a prefill); else those of each sequence's
+    id row (``idx`` [batch, 1, k] per row or [1, k] shared; -1 pads), other ids ignored."""
+    chosen = torch.zeros(batch, heads, dtype=torch.bool, device="cpu")
+    if idx is None or tokens > 1:
+        return chosen.fill_(True)
+    ids = idx.reshape(-1, idx.shape[-1]).cpu()
+    if ids.shape[0] not in (1, batch):
+        raise ValueError(f"lazy_kv: {ids.shape[0]} id rows for a batch of {batch}")
+    for b in range(batch):
+        row = ids[b if ids.shape[0] == batch else 0]
+        row = row[(row >= 0) & (row < heads)]
+        chosen[b, row] = True
+    return chosen
+
+
+def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, inputs, valid) -> None:
+    """Keys and values of the new tokens for the selected heads, and of those heads' missing
+    positions (all-zero keys after ``valid``), written into the cache; zeros for the other heads'
+    new positions (``kernels/kv_state.py``).
+
+    x [B, n, d]: the attention block's input of the ``n`` new tokens, at positions ``pos``
+    (consecutive); keys, values [B, H, L, hd] (H = K/V heads, one per query head); wk, wv
+    [H * hd, d]; ``inputs`` [B, L, d] and ``valid`` [B, H] the cache's state, updated."""
+    batch, n, _ = x.shape
+    heads, hd = keys.shape[1], keys.shape[3]
+    s = int(pos.reshape(-1)[0])
+    e = s + n
+    if not torch.equal(pos.reshape(-1).cpu(), torch.arange(s, e)):
+        raise ValueError(f"lazy_kv: positions must be consecutive, got {pos.reshape(-1).tolist()}")
+    inputs[:, s:e] = x.to(inputs.dtype)
+    chosen = selected_heads(idx, batch, n, heads)
+    for b in range(batch):
+        for h in range(heads):
+            lo = min(int(valid[b, h]), s)
+            if not chosen[b, h]:
+                keys[b, h, s:e] = 0
+                values[b, h, s:e] = 0
+                valid[b, h] = lo
+                continue
+            cols = slice(h * hd, (h + 1) * hd)
+            for cache, w, bias in ((keys, wk, bk), (values, wv, bv)):
+                old = torch.arange(lo, s, device=cache.device)
+                missing = old[cache[b, h, lo:s].flatten(1).eq(0).all(1)]
+                rows = torch.cat([missing, torch.arange(s, e, device=cache.device)])
+                out = F.linear(inputs[b, rows].to(w.dtype), w[cols],
+                               None if bias is None else bias[cols])
+                cache[b, h, rows] = out.to(cache.dtype)
+            valid[b, h] = e

@@ -71,6 +71,8 @@ class PassContext:
     # block's own nodes are erased
     inputs: dict = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)
+    # layers whose K/V projections sparsify made lazy (option lazy_kv)
+    lazy_kv_layers: set = field(default_factory=set)
     constants: int = 0
     # parameter -> its name in the user's model, for models registered by the API (lets graphs
     # split by Dynamo know their layer numbers); empty for a plain torch.compile call

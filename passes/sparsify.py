@@ -11,7 +11,8 @@ over its largest-magnitude inputs (``select_magnitude`` + ``sparse_head_out`` wi
 row), the activation nodes in between unchanged. Attention: the query projection becomes
 ``sparse_head_proj`` (zeros for unselected heads, so the attention code in between is unchanged)
 and the output projection ``sparse_head_out``; keys and values stay dense so the KV cache is
-complete. The oracle needs the dense attention output to rank heads, so with it only the output
+complete, unless option ``lazy_kv`` computes them for the selected heads only
+(``dejavu::lazy_kv``). The oracle needs the dense attention output to rank heads, so with it only the output
 projection is sparse. Down and output projections are passed as ``aten.t`` views here; the lower
 pass replaces those views by weights re-laid out once.
 
@@ -342,6 +343,8 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
         _tag(block.layer, plan, idx, q_new)
         q.node.replace_all_uses_with(q_new)
         graph.erase_node(q.node)
+        if ctx.options.lazy_kv:
+            _lazy_kv(gm, ctx, block, plan, idx, fake_mode)
     with graph.inserting_before(o.node):
         wo_t = _call(graph, fake_mode, torch.ops.aten.t.default, o.weight_node)
         if plan.selector == "oracle":
@@ -353,6 +356,74 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
     o.node.replace_all_uses_with(o_new)
     graph.erase_node(o.node)
     ctx.counters.add(f"sparse_attention[{plan.selector}]")
+
+
+def _cache_write(lin) -> tuple[fx.Node, fx.Node, fx.Node] | str:
+    """(the cache write, the cache, the positions) of a K or V projection whose only path is
+    ``linear -> view(B, n, H, hd) -> transpose(1, 2) -> cache.index_copy_(2, pos, .)``; else
+    why not."""
+    node, chain = lin.node, []
+    for step in ("view", "transpose"):
+        users = list(node.users)
+        if len(users) != 1 or users[0].op != "call_method" or users[0].target != step:
+            return f"the projection's output goes through more than a {step}"
+        node = users[0]
+        chain.append(node)
+    if tuple(node.args[1:]) not in ((1, 2), (2, 1)):
+        return "the heads are not moved to dim 1"
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_method" or users[0].target != "index_copy_":
+        return "the keys or values do not go straight to a static cache's index_copy_"
+    write = users[0]
+    if len(write.args) != 4 or write.args[1] != 2 or write.args[3] is not node or write.users:
+        return "the cache write is not index_copy_(2, positions, states)"
+    return write, write.args[0], write.args[2]
+
+
+def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, fake_mode) -> None:
+    """Replace the block's K/V projections and cache writes by ``dejavu::lazy_kv`` (option
+    ``lazy_kv``); a block whose graph does not have the expected shape keeps them, counted in
+    ``lazy_kv_skipped[...]``."""
+    graph = gm.graph
+    found = [_cache_write(lin) for lin in (block.k, block.v)]
+    why = next((f for f in found if isinstance(f, str)), None)
+    if why is None:
+        (k_write, keys, pos), (v_write, values, v_pos) = found
+        x_node = block.k.input  # the query projection's input too (its node is gone now)
+        x = fake_value(x_node)
+        cache = fake_value(keys)
+        if v_pos is not pos:
+            why = "keys and values are written at different positions"
+        elif block.num_kv_heads != block.num_heads:
+            why = "K/V heads are shared by several query heads"
+        elif x.dim() != 3 or cache.dim() != 4 or cache.shape[1] != block.num_heads \
+                or cache.shape[3] != block.head_dim or block.v.input is not x_node:
+            why = "unexpected shapes"
+    if why is not None:
+        ctx.counters.add(f"lazy_kv_skipped[{why}]")
+        return
+    first = k_write if _before(k_write, v_write) else v_write
+    with graph.inserting_before(first):
+        node = _call(graph, fake_mode, OPS.lazy_kv.default, block.k.input, idx,
+                     block.k.weight_node, block.k.bias_node, block.v.weight_node,
+                     block.v.bias_node, keys, values, pos)
+    _tag(block.layer, plan, node)
+    for write in (k_write, v_write):
+        transpose = write.args[3]
+        view = transpose.args[0]
+        graph.erase_node(write)
+        _erase_dead(graph, [transpose, view, view.args[0]])
+    ctx.lazy_kv_layers.add(block.layer)
+    ctx.counters.add("lazy_kv")
+
+
+def _before(a: fx.Node, b: fx.Node) -> bool:
+    for node in a.graph.nodes:
+        if node is a:
+            return True
+        if node is b:
+            return False
+    raise ValueError("nodes not in the graph")
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -1,0 +1,150 @@
+"""``dejavu::lazy_kv`` on CUDA: the keys and values of the selected heads, their missing
+positions filled in from the kept inputs, in one launch (paper section 4.2; the op and its state
+are described in ``kernels/ops.py`` and ``kernels/kv_state.py``, the reference is
+``kernels/reference.py::lazy_kv``).
+
+Grid: (sequence x K/V head, column tile of the head, keys or values). A program of a selected
+head walks the positions from the head's valid prefix to the last new one in tiles of
+``BLOCK_P``: a position before the new ones is missing when its key (or value) columns of the
+program's tile are all zero, and the new ones are always computed; a tile with any such position
+is multiplied out, ``inputs[rows] @ W[head's columns]^T`` (the new rows read from ``x``), on the
+tensor cores, and stored where needed. Each program checks and writes only its own columns, so
+no program reads what another writes. A program of an unselected head writes zeros at the new
+positions. The last program of a head (a counter per head, zero between calls) records the
+head's new valid prefix; the programs of head 0 and tile 0 store the new rows' inputs. In a
+decode step each selected head reads its weight rows once: at head density 0.5, half the bytes
+of the dense K/V projections.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kv_state import lazy_state
+from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, dot_rows, ieee
+
+
+def _configs() -> list[triton.Config]:
+    """Column tiles of a head and slices of d per step of the loop. The kernel may run twice
+    on the same call with the same result (a second run finds the filled positions present, and
+    records the same prefixes), so the autotuner may time it on the real cache."""
+    if INTERPRET or QUICK_TUNE:
+        return [triton.Config({"BLOCK_C": 16, "BLOCK_K": 32 if INTERPRET else 128},
+                              num_warps=4)]
+    shapes = [(16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 8, 3),
+              (16, 512, 4, 2), (64, 128, 8, 3)]
+    return [triton.Config({"BLOCK_C": c, "BLOCK_K": k}, num_warps=w, num_stages=st)
+            for c, k, w, st in shapes]
+
+
+@triton.autotune(configs=_configs(), key=["D", "HD", "BLOCK_P"])
+@triton.jit
+def _lazy_kv_kernel(
+    x_ptr, in_ptr, idx_ptr, wk_ptr, bk_ptr, wv_ptr, bv_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr,
+    cnt_ptr,
+    D, N, NIDS, H, HD,
+    stride_xb, stride_xn, stride_ib, stride_il, stride_idx, stride_wk, stride_wv,
+    stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
+):
+    bh, pid_c, kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    s = tl.load(pos_ptr).to(tl.int32)
+    e = s + N
+    if ALL:
+        chosen = tl.full([], 1, dtype=tl.int32)
+    else:
+        offs_i = tl.arange(0, BLOCK_IDS)
+        ids = tl.load(idx_ptr + b * stride_idx + offs_i, mask=offs_i < NIDS, other=-1)
+        chosen = tl.sum((ids == h).to(tl.int32), 0)
+    lo = tl.minimum(tl.load(valid_ptr + bh), s)
+    if kv == 0:
+        cache = k_ptr + b * stride_kb + h * stride_kh
+        w_ptr, b_ptr, stride_w, stride_l = wk_ptr, bk_ptr, stride_wk, stride_kl
+    else:
+        cache = v_ptr + b * stride_vb + h * stride_vh
+        w_ptr, b_ptr, stride_w, stride_l = wv_ptr, bv_ptr, stride_wv, stride_vl
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < HD
+    rows_w = h * HD + offs_c
+    if chosen > 0:
+        for p0 in range(lo, e, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            old = offs_p < s
+            new = (offs_p >= s) & (offs_p < e)
+            kept = tl.load(cache + offs_p[:, None] * stride_l + offs_c[None, :],
+                           mask=old[:, None] & mask_c[None, :], other=0.0)
+            missing = old & (tl.max(tl.abs(kept.to(tl.float32)), 1) == 0.0)
+            need = missing | new
+            if tl.max(need.to(tl.int32), 0) > 0:
+                acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_K):
+                    offs_k = d0 + tl.arange(0, BLOCK_K)
+                    mask_k = offs_k < D
+                    y = tl.load(in_ptr + b * stride_ib + offs_p[:, None] * stride_il
+                                + offs_k[None, :], mask=missing[:, None] & mask_k[None, :],
+                                other=0.0)
+                    y += tl.load(x_ptr + b * stride_xb + (offs_p - s)[:, None] * stride_xn
+                                 + offs_k[None, :], mask=new[:, None] & mask_k[None, :],
+                                 other=0.0)
+                    w = tl.load(w_ptr + rows_w[:, None] * stride_w + offs_k[None, :],
+                                mask=mask_c[:, None] & mask_k[None, :], other=0.0)
+                    acc = dot_rows(y, tl.trans(w), acc, IEEE)
+                if HAS_B:
+                    acc += tl.load(b_ptr + rows_w, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+                tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :],
+                         acc.to(cache.dtype.element_ty), mask=need[:, None] & mask_c[None, :])
+    else:
+        for p0 in range(s, e, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=cache.dtype.element_ty)
+            tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :], zeros,
+                     mask=(offs_p < e)[:, None] & mask_c[None, :])
+    if (h == 0) & (pid_c == 0) & (kv == 0):  # the new rows' inputs, kept for later fills
+        for r in range(0, N):
+            for d0 in range(0, D, BLOCK_K):
+                offs_k = d0 + tl.arange(0, BLOCK_K)
+                row = tl.load(x_ptr + b * stride_xb + r * stride_xn + offs_k, mask=offs_k < D)
+                tl.store(in_ptr + b * stride_ib + (s + r) * stride_il + offs_k, row,
+                         mask=offs_k < D)
+    # every program of the head read its valid prefix before counting (release); the last
+    # one records the new prefix and leaves the counter zero
+    programs = 2 * tl.num_programs(1)
+    if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == programs - 1:
+        tl.store(valid_ptr + bh, tl.where(chosen > 0, e, lo))
+        tl.atomic_xchg(cnt_ptr + bh, 0)
+
+
+def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos) -> None:
+    """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring)."""
+    check_dtype("lazy_kv", x, wk, wv, keys, values)
+    batch, n, d = x.shape
+    heads, hd = keys.shape[1], keys.shape[3]
+    if x.stride(2) != 1 or wk.stride(1) != 1 or wv.stride(1) != 1 \
+            or keys.stride(3) != 1 or values.stride(3) != 1:
+        raise ValueError("lazy_kv: the inputs, weights and cache need contiguous last dims")
+    state = lazy_state(keys, d, x.dtype)
+    every = idx is None or n > 1
+    ids = x if every else idx.reshape(-1, idx.shape[-1])
+    if not every and ids.shape[0] not in (1, batch):
+        raise ValueError(f"lazy_kv: {ids.shape[0]} id rows for a batch of {batch}")
+    block_p = 16 if n == 1 else min(64, max(16, triton.next_power_of_2(n)))
+
+    def grid(meta):
+        return (batch * heads, triton.cdiv(hd, meta["BLOCK_C"]), 2)
+
+    _lazy_kv_kernel[grid](
+        x, state.inputs, ids, wk, bk if bk is not None else wk, wv,
+        bv if bv is not None else wv, keys, values, pos, state.valid, state.counts,
+        d, n, 0 if every else ids.shape[1], heads, hd,
+        x.stride(0), x.stride(1), state.inputs.stride(0), state.inputs.stride(1),
+        0 if every or ids.shape[0] == 1 else ids.stride(0), wk.stride(0), wv.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv),
+        BLOCK_P=block_p,
+        BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])),
+    )

@@ -1,0 +1,218 @@
+"""Lazy K/V (option ``lazy_kv``, paper section 4.2): keys and values of the selected heads only,
+a head's missing positions filled in from the kept inputs when it is next selected. The
+reference against a dense projection, the Triton kernel (``TRITON_INTERPRET=1`` on CPU, compiled
+on a GPU) against the reference, the pass on a tiny OPT, and the per-cache state."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dejavu_compile.kernels import kv_state, ops
+from dejavu_compile.kernels import reference as ref
+
+from dejavu_compile import bench
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _weights(heads, hd, d, dtype, gen, bias=True):
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.2).to(DEVICE, dtype)
+
+    return (rand(heads * hd, d), rand(heads * hd) if bias else None,
+            rand(heads * hd, d), rand(heads * hd) if bias else None)
+
+
+def _dense(xs, w, b, heads, hd):
+    """[B, H, T, hd]: the dense projection of every position's input."""
+    out = F.linear(xs.float(), w.float(), None if b is None else b.float())
+    return out.view(xs.shape[0], xs.shape[1], heads, hd).transpose(1, 2)
+
+
+def _steps(impl, dtype, batch=1, heads=5, hd=16, d=40, length=24, prompt=6, steps=10,
+           bias=True, seed=0):
+    """A dense prefill (written as an eager prefill would), then ``steps`` decode steps with
+    random selections through ``impl``; returns the cache, every input, and the selections."""
+    gen = torch.Generator().manual_seed(seed)
+    wk, bk, wv, bv = _weights(heads, hd, d, dtype, gen, bias)
+    xs = (torch.randn(batch, prompt + steps, d, generator=gen)).to(DEVICE, dtype)
+    keys = torch.zeros(batch, heads, length, hd, device=DEVICE, dtype=dtype)
+    values = torch.zeros_like(keys)
+    keys[:, :, :prompt] = _dense(xs[:, :prompt], wk, bk, heads, hd).to(dtype)
+    values[:, :, :prompt] = _dense(xs[:, :prompt], wv, bv, heads, hd).to(dtype)
+    chosen = []
+    for t in range(prompt, prompt + steps):
+        k = 1 + t % 3  # one selected head included
+        idx = torch.stack([torch.randperm(heads, generator=gen)[:k] for _ in range(batch)])
+        idx = idx[:, None].to(DEVICE)
+        impl(xs[:, t:t + 1], idx, wk, bk, wv, bv, keys, values,
+             torch.tensor([t], device=DEVICE))
+        chosen.append(idx)
+    return keys, values, xs, (wk, bk, wv, bv), chosen
+
+
+def _check(keys, values, xs, weights, chosen, heads, hd, prompt, tol):
+    wk, bk, wv, bv = weights
+    want_k, want_v = _dense(xs, wk, bk, heads, hd), _dense(xs, wv, bv, heads, hd)
+    end = xs.shape[1]
+    for b in range(keys.shape[0]):
+        last = chosen[-1][b].flatten().tolist()
+        for h in range(heads):
+            if h in last:  # a head selected now holds every position up to this one
+                torch.testing.assert_close(keys[b, h, :end].float(), want_k[b, h], **tol)
+                torch.testing.assert_close(values[b, h, :end].float(), want_v[b, h], **tol)
+            else:  # the new position of a head not selected is zero (missing)
+                assert keys[b, h, end - 1].eq(0).all() and values[b, h, end - 1].eq(0).all()
+
+
+def _op(*args):
+    ops.lazy_kv(*args)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_reference_fills_missing_positions_when_a_head_is_selected_again(batch):
+    keys, values, xs, weights, chosen = _steps(_op if DEVICE == "cpu" else _ref_on_state,
+                                               torch.float32, batch=batch)
+    _check(keys, values, xs, weights, chosen, 5, 16, 6, dict(atol=1e-5, rtol=1e-5))
+
+
+def _ref_on_state(x, idx, wk, bk, wv, bv, keys, values, pos):
+    state = kv_state.lazy_state(keys, x.shape[-1], x.dtype)
+    ref.lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, state.inputs, state.valid)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch,hd", [(1, 16), (2, 24)])
+def test_kernel_matches_the_reference(dtype, bias, batch, hd):
+    """Odd sizes (d 40, head dim 24 over tiles of 16), one to three heads selected a step."""
+    from dejavu_compile.kernels import lazy_kv
+
+    shape = dict(batch=batch, hd=hd, bias=bias, seed=3)
+    got = _steps(lazy_kv.lazy_kv, dtype, **shape)
+    want = _steps(_ref_on_state, dtype, **shape)
+    tol = dict(atol=2e-2, rtol=2e-2)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(g.float(), w.float(), **tol)
+    _check(*got[:4], got[4], 5, hd, 6, tol)
+
+
+def test_kernel_prefill_computes_every_head():
+    """Several new tokens (a prefill through the op): every head, every new position."""
+    from dejavu_compile.kernels import lazy_kv
+
+    gen = torch.Generator().manual_seed(1)
+    heads, hd, d = 3, 16, 40
+    wk, bk, wv, bv = _weights(heads, hd, d, torch.float16, gen)
+    xs = torch.randn(1, 20, d, generator=gen).to(DEVICE, torch.float16)
+    keys = torch.zeros(1, heads, 32, hd, device=DEVICE, dtype=torch.float16)
+    values = torch.zeros_like(keys)
+    lazy_kv.lazy_kv(xs, None, wk, bk, wv, bv, keys, values, torch.arange(20, device=DEVICE))
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(keys[:, :, :20].float(), _dense(xs, wk, bk, heads, hd), **tol)
+    torch.testing.assert_close(values[:, :, :20].float(), _dense(xs, wv, bv, heads, hd), **tol)
+    assert kv_state.lazy_state(keys, d, torch.float16).valid.eq(20).all()
+
+
+def test_a_new_generation_after_an_eager_prefill_keeps_its_entries():
+    """The state is a hint: after a prefill that did not go through the op (eager, every head
+    written), a head whose valid prefix is behind finds those positions present (non-zero) and
+    does not overwrite them from inputs of an earlier generation."""
+    keys, values, xs, weights, chosen = _steps(_ref_on_state, torch.float32, steps=6, seed=4)
+    # a second generation on the same cache: new inputs, an eager prefill over 9 positions
+    gen = torch.Generator().manual_seed(9)
+    heads, hd = 5, 16
+    xs2 = torch.randn(1, 11, xs.shape[2], generator=gen).to(DEVICE)
+    wk, bk, wv, bv = weights
+    keys.zero_()
+    values.zero_()
+    keys[:, :, :9] = _dense(xs2[:, :9], wk, bk, heads, hd)
+    values[:, :, :9] = _dense(xs2[:, :9], wv, bv, heads, hd)
+    last = []
+    for t in (9, 10):
+        idx = torch.tensor([[[t % heads, (t + 2) % heads]]], device=DEVICE)
+        _ref_on_state(xs2[:, t:t + 1], idx, wk, bk, wv, bv, keys, values,
+                      torch.tensor([t], device=DEVICE))
+        last.append(idx)
+    _check(keys, values, xs2, weights, last, heads, hd, 9, dict(atol=1e-5, rtol=1e-5))
+
+
+def test_the_state_is_per_cache_and_freed_with_it():
+    gc.collect()  # the caches of earlier tests
+    before = kv_state.live_states()
+    a = torch.zeros(1, 2, 8, 16)
+    b = torch.zeros(1, 2, 8, 16)
+    sa = kv_state.lazy_state(a, 12, torch.float32)
+    assert kv_state.lazy_state(a, 12, torch.float32) is sa
+    assert kv_state.lazy_state(b, 12, torch.float32) is not sa
+    assert kv_state.live_states() == before + 2
+    del a, b, sa
+    gc.collect()
+    assert kv_state.live_states() == before
+
+
+def test_positions_must_be_consecutive():
+    x = torch.zeros(1, 2, 8)
+    keys = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="consecutive"):
+        ops.lazy_kv(x, None, torch.zeros(8, 8), None, torch.zeros(8, 8), None, keys,
+                    torch.zeros_like(keys), torch.tensor([3, 5]))
+
+
+def _decode(model, forward, ids, steps, length=24):
+    cache, mask = bench._prefilled(model, ids, length)
+    tok, logits = ids[:, -1:], []
+    with torch.no_grad():
+        for t in range(steps):
+            pos = torch.tensor([ids.shape[1] + t])
+            out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
+                          position_ids=pos[None], attention_mask=mask, use_cache=True)
+            logits.append(out.logits)
+            tok = out.logits[:, -1:].argmax(-1)
+    return torch.cat(logits), cache
+
+
+def test_the_pass_gives_the_logits_of_dense_kv(tiny, tmp_path):
+    """A tiny OPT with random attention predictors (head density 0.5, layer 0 dense): decoding
+    with lazy K/V gives the logits of the same sparse heads over dense K/V; the heads the
+    predictors skipped at a step hold zeros there; the report counts the rewritten blocks."""
+    from dejavu_compile.backend import report
+
+    model = tiny("opt")
+    profile = bench.random_profile(model, 1.0, 0.5, 8, tmp_path / "p.yaml")
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for lazy in (False, True):
+        torch._dynamo.reset()
+        forward = torch.compile(model.forward, backend="dejavu",
+                                options={"profile": profile, "lazy_kv": lazy})
+        runs[lazy] = _decode(model, forward, ids, 6)
+        if lazy:
+            # layer 1 only (layer 0 is dense), in each decode graph
+            assert [g.counters.get("lazy_kv") for g in report(model).graphs][-2:] == [1, 1]
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
+    lazy_keys = runs[True][1].layers[1].keys[0, :, 7:13]
+    assert lazy_keys.flatten(1).eq(0).all(1).any()  # some head was skipped
+    torch.testing.assert_close(runs[True][1].layers[0].keys, runs[False][1].layers[0].keys)
+
+
+def test_blocks_it_cannot_rewrite_keep_dense_kv_and_say_why(tiny, tmp_path):
+    """Llama's keys go through the rotary embedding: its blocks keep dense K/V, reported."""
+    from dejavu_compile.backend import report
+
+    model = tiny("llama")
+    profile = bench.random_profile(model, 1.0, 0.5, 8, tmp_path / "p.yaml")
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    forward = torch.compile(model.forward, backend="dejavu",
+                            options={"profile": profile, "lazy_kv": True})
+    plain = _decode(model, model.forward, ids, 2)[0]
+    torch._dynamo.reset()
+    got = _decode(model, forward, ids, 2)[0]
+    counters = report(model).counters
+    assert "lazy_kv" not in counters
+    assert any(name.startswith("lazy_kv_skipped[") for name in counters)
+    assert got.shape == plain.shape
