@@ -150,6 +150,6 @@ def _fork_join(graph: fx.Graph, node: fx.Node, x: fx.Node, slot: int, kind: str,
                            f"{len(consumers)}")
     consumer = consumers[0]
     consumer.args = (*consumer.args[:n_args], x, slot)
-    for user in ahead.users:  # lazy K/V reads the heads too: it joins as well
+    for user in list(ahead.users):  # lazy K/V reads the heads too: it joins as well
         if is_op(user, "lazy_kv"):
             user.args = (*user.args[:9], x, slot)

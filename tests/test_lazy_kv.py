@@ -216,3 +216,30 @@ def test_blocks_it_cannot_rewrite_keep_dense_kv_and_say_why(tiny, tmp_path):
     assert "lazy_kv" not in counters
     assert any(name.startswith("lazy_kv_skipped[") for name in counters)
     assert got.shape == plain.shape
+
+
+def test_with_lookahead_on_a_side_stream_it_joins_the_predictor(tiny, tmp_path, monkeypatch):
+    """The CUDA form of lookahead, built on CPU (ops in order): ``lazy_kv`` reads the attention
+    predictor's heads, so it gets the predictor's keep and slot as the query projection does
+    (it joins the side stream before reading them); the logits are those of dense K/V."""
+    from dejavu_compile.passes import lookahead
+
+    from .test_backend import _capture
+
+    monkeypatch.setattr(lookahead, "uses_side_stream", lambda x: True)
+    model = tiny("opt")
+    profile = bench.random_profile(model, 1.0, 0.5, 8, tmp_path / "p.yaml", lookahead=True)
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for lazy in (False, True):
+        torch._dynamo.reset()
+        backend, graphs = _capture({"profile": profile, "lazy_kv": lazy})
+        logits[lazy] = _decode(model, torch.compile(model.forward, backend=backend), ids, 4)[0]
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    gm, ctx = graphs[-1]
+    lazy_nodes = [n for n in gm.graph.nodes if lookahead.is_op(n, "lazy_kv")]
+    assert len(lazy_nodes) == 1
+    ahead = lazy_nodes[0].args[1]
+    assert lookahead.is_op(ahead, "predict_ahead")
+    keep, slot = lazy_nodes[0].args[-2:]
+    assert keep is ctx.inputs[(0, "attention")] and slot == ahead.args[-1] >= 0
