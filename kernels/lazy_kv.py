@@ -24,21 +24,35 @@ import triton.language as tl
 from .kv_state import lazy_state
 from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, dot_rows, ieee
 
+# a decode step's configs (one new token): positions in tiles of BLOCK_P, multiplied on the tensor
+# cores (DOT, BLOCK_P at least 16) or as a broadcast product summed over d (a GEMV per position:
+# the common step has one needed position, the new one)
+DECODE_FIXED = {"BLOCK_P": 4, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32 if INTERPRET else 64,
+                "num_warps": 4}
+# a prefill through the op (several new tokens): every head, tiles of 64 positions
+PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C": 32,
+                 "BLOCK_K": 32 if INTERPRET else 64, "num_warps": 4}
 
-def _configs() -> list[triton.Config]:
-    """Column tiles of a head and slices of d per step of the loop. The kernel may run twice
-    on the same call with the same result (a second run finds the filled positions present, and
-    records the same prefixes), so the autotuner may time it on the real cache."""
+
+def decode_configs() -> list[triton.Config]:
+    """Tiles the autotuner sweeps for a decode step. The kernel may run twice on the same call
+    with the same result (a second run finds the filled positions present and records the same
+    prefixes), so the autotuner may time it on the real cache."""
     if INTERPRET or QUICK_TUNE:
-        return [triton.Config({"BLOCK_C": 16, "BLOCK_K": 32 if INTERPRET else 128},
-                              num_warps=4)]
-    shapes = [(16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 8, 3),
-              (16, 512, 4, 2), (64, 128, 8, 3)]
-    return [triton.Config({"BLOCK_C": c, "BLOCK_K": k}, num_warps=w, num_stages=st)
-            for c, k, w, st in shapes]
+        return [_config(DECODE_FIXED)]
+    shapes = [(1, False, 16, 128, 4, 3), (1, False, 32, 128, 4, 3), (1, False, 16, 256, 4, 3),
+              (2, False, 16, 128, 4, 3), (4, False, 16, 64, 4, 3), (4, False, 32, 64, 4, 3),
+              (16, True, 16, 128, 4, 3), (16, True, 32, 128, 4, 3), (16, True, 32, 256, 8, 3)]
+    return [_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "num_warps": w,
+                     "num_stages": st}) for p, dot, c, k, w, st in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["D", "HD", "BLOCK_P"])
+def _config(fixed: dict) -> triton.Config:
+    meta = {k: v for k, v in fixed.items() if k not in ("num_warps", "num_stages")}
+    return triton.Config(meta, num_warps=fixed["num_warps"],
+                         num_stages=fixed.get("num_stages", 3))
+
+
 @triton.jit
 def _lazy_kv_kernel(
     x_ptr, in_ptr, idx_ptr, wk_ptr, bk_ptr, wv_ptr, bv_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr,
@@ -47,7 +61,7 @@ def _lazy_kv_kernel(
     stride_xb, stride_xn, stride_ib, stride_il, stride_idx, stride_wk, stride_wv,
     stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
+    BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
 ):
     bh, pid_c, kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = bh // H
@@ -92,7 +106,11 @@ def _lazy_kv_kernel(
                                  other=0.0)
                     w = tl.load(w_ptr + rows_w[:, None] * stride_w + offs_k[None, :],
                                 mask=mask_c[:, None] & mask_k[None, :], other=0.0)
-                    acc = dot_rows(y, tl.trans(w), acc, IEEE)
+                    if DOT:
+                        acc = dot_rows(y, tl.trans(w), acc, IEEE)
+                    else:
+                        acc += tl.sum(y.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :],
+                                      2)
                 if HAS_B:
                     acc += tl.load(b_ptr + rows_w, mask=mask_c, other=0.0).to(tl.float32)[None, :]
                 tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :],
@@ -118,8 +136,13 @@ def _lazy_kv_kernel(
         tl.atomic_xchg(cnt_ptr + bh, 0)
 
 
-def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos) -> None:
-    """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring)."""
+_decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD"])(_lazy_kv_kernel)
+
+
+def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None) -> None:
+    """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
+    new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``-like dict) when
+    given; a prefill runs ``PREFILL_FIXED``."""
     check_dtype("lazy_kv", x, wk, wv, keys, values)
     batch, n, d = x.shape
     heads, hd = keys.shape[1], keys.shape[3]
@@ -131,20 +154,21 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos) -> None:
     ids = x if every else idx.reshape(-1, idx.shape[-1])
     if not every and ids.shape[0] not in (1, batch):
         raise ValueError(f"lazy_kv: {ids.shape[0]} id rows for a batch of {batch}")
-    block_p = 16 if n == 1 else min(64, max(16, triton.next_power_of_2(n)))
 
     def grid(meta):
         return (batch * heads, triton.cdiv(hd, meta["BLOCK_C"]), 2)
 
-    _lazy_kv_kernel[grid](
-        x, state.inputs, ids, wk, bk if bk is not None else wk, wv,
-        bv if bv is not None else wv, keys, values, pos, state.valid, state.counts,
-        d, n, 0 if every else ids.shape[1], heads, hd,
-        x.stride(0), x.stride(1), state.inputs.stride(0), state.inputs.stride(1),
-        0 if every or ids.shape[0] == 1 else ids.stride(0), wk.stride(0), wv.stride(0),
-        keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
-        ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv),
-        BLOCK_P=block_p,
-        BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])),
-    )
+    args = (x, state.inputs, ids, wk, bk if bk is not None else wk, wv,
+            bv if bv is not None else wv, keys, values, pos, state.valid, state.counts,
+            d, n, 0 if every else ids.shape[1], heads, hd,
+            x.stride(0), x.stride(1), state.inputs.stride(0), state.inputs.stride(1),
+            0 if every or ids.shape[0] == 1 else ids.stride(0), wk.stride(0), wv.stride(0),
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2))
+    meta = dict(ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv),
+                BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
+    fixed = PREFILL_FIXED if n > 1 else config
+    if fixed is None:
+        _decode_kernel[grid](*args, **meta)
+    else:
+        _lazy_kv_kernel[grid](*args, **meta, **fixed)

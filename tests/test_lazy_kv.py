@@ -85,15 +85,26 @@ def _ref_on_state(x, idx, wk, bk, wv, bv, keys, values, pos):
     ref.lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, state.inputs, state.valid)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("batch,hd", [(1, 16), (2, 24)])
-def test_kernel_matches_the_reference(dtype, bias, batch, hd):
-    """Odd sizes (d 40, head dim 24 over tiles of 16), one to three heads selected a step."""
+_CONFIGS = {  # the decode step's default, one position a tile, the tensor-core form
+    "gemv4": None,
+    "gemv1": {"BLOCK_P": 1, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "num_warps": 4},
+    "dot": {"BLOCK_P": 16, "DOT": True, "BLOCK_C": 16, "BLOCK_K": 32, "num_warps": 4},
+}
+
+
+@pytest.mark.parametrize("dtype,bias,batch,hd", [(torch.float16, True, 1, 16),
+                                                  (torch.bfloat16, False, 2, 24)])
+@pytest.mark.parametrize("config", list(_CONFIGS))
+def test_kernel_matches_the_reference(dtype, bias, batch, hd, config):
+    """Odd sizes (d 40, head dim 24 over tiles of 16), one to three heads selected a step,
+    each form of the kernel's product."""
     from dejavu_compile.kernels import lazy_kv
 
+    def kernel(*args):
+        lazy_kv.lazy_kv(*args, config=_CONFIGS[config])
+
     shape = dict(batch=batch, hd=hd, bias=bias, seed=3)
-    got = _steps(lazy_kv.lazy_kv, dtype, **shape)
+    got = _steps(kernel, dtype, **shape)
     want = _steps(_ref_on_state, dtype, **shape)
     tol = dict(atol=2e-2, rtol=2e-2)
     for g, w in zip(got[:2], want[:2], strict=True):
