@@ -131,7 +131,10 @@ class DejavuOptions:
         size when K/V heads equal query heads). Applies where the keys and values go from
         their projections to a static cache's ``index_copy_`` through views only (no rotary
         embedding: OPT's attention) and K/V heads equal query heads; other blocks keep dense
-        K/V (``lazy_kv_skipped`` in the report). Off by default: not yet measured on a GPU.
+        K/V (``lazy_kv_skipped`` in the report). Off by default: on an H200 (fifteenth
+        session, BENCHMARKS.md) its kernel took 1703 us a step on OPT-13B's 39 sparse layers
+        against 1227 us for the dense K/V it replaces, and the captured step 5.33 against 5.18
+        ms (one run): correct, not yet faster (``kernels/lazy_kv.py`` says why).
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.

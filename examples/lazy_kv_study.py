@@ -78,9 +78,9 @@ def main() -> None:
         valid0[0, behind] = POS - gap
 
         def restore(behind=behind, gap=gap, valid0=valid0):
-            if gap:
-                keys[0, behind, POS - gap:POS] = 0
-                values[0, behind, POS - gap:POS] = 0
+            if gap:  # index_fill_ on the GPU: a capture cannot copy a CPU scalar in
+                for cache in (keys, values):
+                    cache[0, :, POS - gap:POS].index_fill_(0, behind, 0.0)
             state.valid.copy_(valid0)
 
         base = _graph_time(restore)

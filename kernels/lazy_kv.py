@@ -14,6 +14,16 @@ positions. The last program of a head (a counter per head, zero between calls) r
 head's new valid prefix; the programs of head 0 and tile 0 store the new rows' inputs. In a
 decode step each selected head reads its weight rows once: at head density 0.5, half the bytes
 of the dense K/V projections.
+
+Measured (H200, fifteenth session, BENCHMARKS.md): too slow to pay. On OPT-13B's shape at head
+density 0.5 the best tile took 34 us with only new positions to compute and 37-39 us with
+missing ones, against 30.6 us for cuBLAS's dense K/V reading twice the bytes (1.5 against 3.4
+TB/s); in the decode step, 1703 us a step for 39 layers against 1227 for cuBLAS (its split-K
+reduction included). The time falls with fewer, longer slices of d (the GEMV form: 81 us with
+slices of 128, 34 with 512): each program's loop over d is latency-bound, its loads not
+issued ahead, and a program covers all of d for its columns. Splitting d over programs (fp32
+sums added atomically, the last program of a tile storing the cache row, as the query
+projection's kernels do) is the next step.
 """
 
 from __future__ import annotations
@@ -40,9 +50,12 @@ def decode_configs() -> list[triton.Config]:
     prefixes), so the autotuner may time it on the real cache."""
     if INTERPRET or QUICK_TUNE:
         return [_config(DECODE_FIXED)]
-    shapes = [(1, False, 16, 128, 4, 3), (1, False, 32, 128, 4, 3), (1, False, 16, 256, 4, 3),
-              (2, False, 16, 128, 4, 3), (4, False, 16, 64, 4, 3), (4, False, 32, 64, 4, 3),
-              (16, True, 16, 128, 4, 3), (16, True, 32, 128, 4, 3), (16, True, 32, 256, 8, 3)]
+    # the two fastest of each form in examples/lazy_kv_study.py on an H200 (fifteenth session,
+    # BENCHMARKS.md): the GEMV form with long slices of d when only the new position is
+    # computed (34-35 us on OPT-13B's shape), the tensor-core form when positions are missing
+    # (37-39 us; the GEMV form 47-105)
+    shapes = [(1, False, 16, 512, 4, 2), (1, False, 8, 256, 2, 3), (16, True, 32, 128, 4, 3),
+              (16, True, 32, 256, 8, 3)]
     return [_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "num_warps": w,
                      "num_stages": st}) for p, dot, c, k, w, st in shapes]
 
