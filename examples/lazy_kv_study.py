@@ -64,13 +64,17 @@ def main() -> None:
     sel_bytes = 2 * k * HD * D * 2
     dense = _graph_time(lambda: torch.nn.functional.linear(x, wkv, bkv))
     print(f"cuBLAS dense K/V: {dense:.1f} us, {2 * H * HD * D * 2 / dense / 1e3:.0f} GB/s")
-    configs = [dict(zip(("BLOCK_P", "DOT", "BLOCK_C", "BLOCK_K", "num_warps", "num_stages"), c, strict=True))
-               for c in [(1, False, 16, 128, 4, 3), (1, False, 32, 128, 4, 3),
-                         (1, False, 16, 256, 4, 3), (1, False, 8, 256, 2, 3),
-                         (1, False, 16, 512, 4, 2), (2, False, 16, 128, 4, 3),
-                         (4, False, 16, 64, 4, 3), (4, False, 16, 128, 4, 3),
-                         (4, False, 32, 64, 4, 3), (16, True, 16, 128, 4, 3),
-                         (16, True, 32, 128, 4, 3), (16, True, 32, 256, 8, 3)]]
+    names = ("BLOCK_P", "DOT", "BLOCK_C", "BLOCK_K", "num_warps", "num_stages", "SPLIT")
+    tiles = [(1, False, 16, 128, 4, 3), (1, False, 32, 128, 4, 3), (1, False, 16, 256, 4, 3),
+             (1, False, 8, 256, 2, 3), (1, False, 16, 512, 4, 2), (2, False, 16, 128, 4, 3),
+             (4, False, 16, 64, 4, 3), (4, False, 16, 128, 4, 3), (4, False, 32, 64, 4, 3),
+             (16, True, 16, 128, 4, 3), (16, True, 32, 128, 4, 3), (16, True, 32, 256, 8, 3),
+             # d split over programs (the last of a position tile stores the rows)
+             (1, False, 32, 128, 4, 3, 8), (1, False, 16, 128, 4, 3, 8),
+             (1, False, 32, 128, 4, 3, 4), (1, False, 16, 64, 4, 3, 16),
+             (4, False, 16, 128, 4, 3, 8), (16, True, 32, 128, 4, 3, 8),
+             (16, True, 32, 64, 4, 3, 8), (16, True, 16, 128, 4, 3, 16)]
+    configs = [dict(zip(names, t if len(t) == 7 else (*t, 1), strict=True)) for t in tiles]
     rows = []
     for scenario, gap in (("steady", 0), ("missing1", 1), ("missing3", 3)):
         behind = chosen[: k // 2]

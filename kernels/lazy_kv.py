@@ -24,6 +24,14 @@ slices of 128, 34 with 512): each program's loop over d is latency-bound, its lo
 issued ahead, and a program covers all of d for its columns. Splitting d over programs (fp32
 sums added atomically, the last program of a tile storing the cache row, as the query
 projection's kernels do) is the next step.
+
+Split form (``SPLIT`` > 1, built after that run, tested under the interpreter, not yet timed on
+a GPU): each (head, column tile, keys or values) has ``SPLIT`` programs, each over a slice of d,
+so several times as many programs share the GPU and each loop is shorter. They add their fp32
+sums into a workspace row per position (``kv_state.split_workspace``); the last of a position
+tile's programs (``triton_common.finish_last``) adds the bias, stores the cache rows and zeroes
+the sums and its counter. All programs of a tile see the same missing positions: the rows are
+stored only after every one of them has counted itself.
 """
 
 from __future__ import annotations
@@ -31,17 +39,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kv_state import lazy_state
-from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, dot_rows, ieee
+from .kv_state import lazy_state, split_workspace
+from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, dot_rows, finish_last, ieee
 
 # a decode step's configs (one new token): positions in tiles of BLOCK_P, multiplied on the tensor
 # cores (DOT, BLOCK_P at least 16) or as a broadcast product summed over d (a GEMV per position:
 # the common step has one needed position, the new one)
 DECODE_FIXED = {"BLOCK_P": 4, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32 if INTERPRET else 64,
-                "num_warps": 4}
+                "SPLIT": 2, "num_warps": 4}
 # a prefill through the op (several new tokens): every head, tiles of 64 positions
 PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C": 32,
-                 "BLOCK_K": 32 if INTERPRET else 64, "num_warps": 4}
+                 "BLOCK_K": 32 if INTERPRET else 64, "SPLIT": 1, "num_warps": 4}
 
 
 def decode_configs() -> list[triton.Config]:
@@ -54,10 +62,16 @@ def decode_configs() -> list[triton.Config]:
     # BENCHMARKS.md): the GEMV form with long slices of d when only the new position is
     # computed (34-35 us on OPT-13B's shape), the tensor-core form when positions are missing
     # (37-39 us; the GEMV form 47-105)
-    shapes = [(1, False, 16, 512, 4, 2), (1, False, 8, 256, 2, 3), (16, True, 32, 128, 4, 3),
-              (16, True, 32, 256, 8, 3)]
-    return [_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "num_warps": w,
-                     "num_stages": st}) for p, dot, c, k, w, st in shapes]
+    # d split over SPLIT programs (fp32 sums, the last program of a tile storing the rows):
+    # not yet timed
+    shapes = [(1, False, 16, 512, 4, 2, 1), (1, False, 8, 256, 2, 3, 1),
+              (16, True, 32, 128, 4, 3, 1), (16, True, 32, 256, 8, 3, 1),
+              (1, False, 32, 128, 4, 3, 8), (1, False, 16, 128, 4, 3, 8),
+              (1, False, 32, 128, 4, 3, 4), (4, False, 16, 128, 4, 3, 8),
+              (16, True, 32, 128, 4, 3, 8), (16, True, 32, 64, 4, 3, 8)]
+    return [_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
+                     "num_warps": w, "num_stages": st})
+            for p, dot, c, k, w, st, split in shapes]
 
 
 def _config(fixed: dict) -> triton.Config:
@@ -69,14 +83,20 @@ def _config(fixed: dict) -> triton.Config:
 @triton.jit
 def _lazy_kv_kernel(
     x_ptr, in_ptr, idx_ptr, wk_ptr, bk_ptr, wv_ptr, bv_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr,
-    cnt_ptr,
-    D, N, NIDS, H, HD,
+    cnt_ptr, ws_ptr, tile_cnt_ptr,
+    D, N, NIDS, H, HD, L, CMAX,
     stride_xb, stride_xn, stride_ib, stride_il, stride_idx, stride_wk, stride_wv,
     stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    bh, pid_c, kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv = pid_z // SPLIT
+    part = pid_z % SPLIT  # this program's slice of d
+    slice_d = tl.cdiv(tl.cdiv(D, SPLIT), BLOCK_K) * BLOCK_K
+    d_lo = part * slice_d
+    d_hi = tl.minimum(D, d_lo + slice_d)
     b = bh // H
     h = bh % H
     s = tl.load(pos_ptr).to(tl.int32)
@@ -98,6 +118,7 @@ def _lazy_kv_kernel(
     mask_c = offs_c < HD
     rows_w = h * HD + offs_c
     if chosen > 0:
+        tile = 0
         for p0 in range(lo, e, BLOCK_P):
             offs_p = p0 + tl.arange(0, BLOCK_P)
             old = offs_p < s
@@ -108,9 +129,9 @@ def _lazy_kv_kernel(
             need = missing | new
             if tl.max(need.to(tl.int32), 0) > 0:
                 acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
-                for d0 in range(0, D, BLOCK_K):
+                for d0 in range(d_lo, d_hi, BLOCK_K):
                     offs_k = d0 + tl.arange(0, BLOCK_K)
-                    mask_k = offs_k < D
+                    mask_k = offs_k < d_hi
                     y = tl.load(in_ptr + b * stride_ib + offs_p[:, None] * stride_il
                                 + offs_k[None, :], mask=missing[:, None] & mask_k[None, :],
                                 other=0.0)
@@ -124,17 +145,28 @@ def _lazy_kv_kernel(
                     else:
                         acc += tl.sum(y.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :],
                                       2)
-                if HAS_B:
-                    acc += tl.load(b_ptr + rows_w, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-                tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :],
-                         acc.to(cache.dtype.element_ty), mask=need[:, None] & mask_c[None, :])
-    else:
+                out = cache + offs_p[:, None] * stride_l + offs_c[None, :]
+                needed = need[:, None] & mask_c[None, :]
+                if SPLIT == 1:
+                    if HAS_B:
+                        acc += tl.load(b_ptr + rows_w, mask=mask_c,
+                                       other=0.0).to(tl.float32)[None, :]
+                    tl.store(out, acc.to(cache.dtype.element_ty), mask=needed)
+                else:  # fp32 sums per position; the tile's last program stores the rows
+                    sums = ws_ptr + ((b * 2 + kv) * L + offs_p)[:, None] * (H * HD) \
+                        + rows_w[None, :]
+                    tl.atomic_add(sums, acc, mask=needed, sem="relaxed")
+                    count = tile_cnt_ptr + ((bh * 2 + kv) * CMAX + pid_c) * (L + 1) + tile
+                    finish_last(sums, out, b_ptr + rows_w[None, :] + 0 * offs_p[:, None],
+                                needed, count, SPLIT, HAS_B, True)
+            tile += 1
+    elif part == 0:
         for p0 in range(s, e, BLOCK_P):
             offs_p = p0 + tl.arange(0, BLOCK_P)
             zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=cache.dtype.element_ty)
             tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :], zeros,
                      mask=(offs_p < e)[:, None] & mask_c[None, :])
-    if (h == 0) & (pid_c == 0) & (kv == 0):  # the new rows' inputs, kept for later fills
+    if (h == 0) & (pid_c == 0) & (pid_z == 0):  # the new rows' inputs, kept for later fills
         for r in range(0, N):
             for d0 in range(0, D, BLOCK_K):
                 offs_k = d0 + tl.arange(0, BLOCK_K)
@@ -143,7 +175,7 @@ def _lazy_kv_kernel(
                          mask=offs_k < D)
     # every program of the head read its valid prefix before counting (release); the last
     # one records the new prefix and leaves the counter zero
-    programs = 2 * tl.num_programs(1)
+    programs = tl.num_programs(1) * tl.num_programs(2)
     if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == programs - 1:
         tl.store(valid_ptr + bh, tl.where(chosen > 0, e, lo))
         tl.atomic_xchg(cnt_ptr + bh, 0)
@@ -168,12 +200,14 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = Non
     if not every and ids.shape[0] not in (1, batch):
         raise ValueError(f"lazy_kv: {ids.shape[0]} id rows for a batch of {batch}")
 
+    sums, tile_counts, cmax = split_workspace(keys, heads * hd)
+
     def grid(meta):
-        return (batch * heads, triton.cdiv(hd, meta["BLOCK_C"]), 2)
+        return (batch * heads, triton.cdiv(hd, meta["BLOCK_C"]), 2 * meta["SPLIT"])
 
     args = (x, state.inputs, ids, wk, bk if bk is not None else wk, wv,
-            bv if bv is not None else wv, keys, values, pos, state.valid, state.counts,
-            d, n, 0 if every else ids.shape[1], heads, hd,
+            bv if bv is not None else wv, keys, values, pos, state.valid, state.counts, sums,
+            tile_counts, d, n, 0 if every else ids.shape[1], heads, hd, keys.shape[2], cmax,
             x.stride(0), x.stride(1), state.inputs.stride(0), state.inputs.stride(1),
             0 if every or ids.shape[0] == 1 else ids.stride(0), wk.stride(0), wv.stride(0),
             keys.stride(0), keys.stride(1), keys.stride(2),

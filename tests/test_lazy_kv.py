@@ -85,10 +85,15 @@ def _ref_on_state(x, idx, wk, bk, wv, bv, keys, values, pos):
     ref.lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, state.inputs, state.valid)
 
 
-_CONFIGS = {  # the decode step's default, one position a tile, the tensor-core form
-    "gemv4": None,
-    "gemv1": {"BLOCK_P": 1, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "num_warps": 4},
-    "dot": {"BLOCK_P": 16, "DOT": True, "BLOCK_C": 16, "BLOCK_K": 32, "num_warps": 4},
+_CONFIGS = {  # the decode step's default (d split in two), one position a tile, the
+    # tensor-core form, each over the whole of d and split
+    "gemv4_split2": None,
+    "gemv1": {"BLOCK_P": 1, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "SPLIT": 1,
+              "num_warps": 4},
+    "dot": {"BLOCK_P": 16, "DOT": True, "BLOCK_C": 16, "BLOCK_K": 32, "SPLIT": 1,
+            "num_warps": 4},
+    "dot_split3": {"BLOCK_P": 16, "DOT": True, "BLOCK_C": 16, "BLOCK_K": 16, "SPLIT": 3,
+                   "num_warps": 4},
 }
 
 
@@ -110,6 +115,10 @@ def test_kernel_matches_the_reference(dtype, bias, batch, hd, config):
     for g, w in zip(got[:2], want[:2], strict=True):
         torch.testing.assert_close(g.float(), w.float(), **tol)
     _check(*got[:4], got[4], 5, hd, 6, tol)
+    # the split form's sums and tile counters are left zero for the next call
+    sums, counts, _ = kv_state.split_workspace(got[0], 5 * hd)
+    assert not sums.any() and not counts.any()
+    assert not kv_state.lazy_state(got[0], 40, dtype).counts.any()
 
 
 def test_kernel_prefill_computes_every_head():
