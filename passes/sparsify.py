@@ -12,9 +12,9 @@ row), the activation nodes in between unchanged. Attention: the query projection
 ``sparse_head_proj`` (zeros for unselected heads, so the attention code in between is unchanged)
 and the output projection ``sparse_head_out``; keys and values stay dense so the KV cache is
 complete, unless option ``lazy_kv`` computes them for the selected heads only
-(``dejavu::lazy_kv``). The oracle needs the dense attention output to rank heads, so with it only the output
-projection is sparse. Down and output projections are passed as ``aten.t`` views here; the lower
-pass replaces those views by weights re-laid out once.
+(``dejavu::lazy_kv``). The oracle needs the dense attention output to rank heads, so with it
+only the output projection is sparse. Down and output projections are passed as ``aten.t``
+views here; the lower pass replaces those views by weights re-laid out once.
 
 The plan (per layer and block: selector, density, k) comes from the profile or the options and
 is checked against the discovered shapes; a profile that does not fit raises ``ProfileError``.
@@ -362,13 +362,12 @@ def _cache_write(lin) -> tuple[fx.Node, fx.Node, fx.Node] | str:
     """(the cache write, the cache, the positions) of a K or V projection whose only path is
     ``linear -> view(B, n, H, hd) -> transpose(1, 2) -> cache.index_copy_(2, pos, .)``; else
     why not."""
-    node, chain = lin.node, []
+    node = lin.node
     for step in ("view", "transpose"):
         users = list(node.users)
         if len(users) != 1 or users[0].op != "call_method" or users[0].target != step:
             return f"the projection's output goes through more than a {step}"
         node = users[0]
-        chain.append(node)
     if tuple(node.args[1:]) not in ((1, 2), (2, 1)):
         return "the heads are not moved to dim 1"
     users = list(node.users)
