@@ -261,7 +261,7 @@ def _attention_row(ctx, block, plan) -> BlockRow:
     dense = sum(lin.nbytes() for lin in block.linears())
     frac = plan.kept_fraction
     kv = block.k.nbytes() + block.v.nbytes()
-    if block.layer in getattr(ctx, "lazy_kv_layers", ()):  # the selected heads' rows only
+    if block.layer in ctx.lazy_kv_layers:  # the selected heads' rows only
         kv = round(frac * (_weights(block.k) + _weights(block.v))) + _nbytes(block.k.bias) \
             + _nbytes(block.v.bias)
     o_part = round(frac * _weights(block.o)) + _nbytes(block.o.bias)

@@ -52,11 +52,7 @@ def lazy_state(keys: torch.Tensor, d: int, dtype: torch.dtype) -> LazyState:
     if state is not None and state.storage() is storage and state.inputs.shape[2] == d \
             and state.inputs.dtype == dtype:
         return state
-    if keys.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "dejavu::lazy_kv: first call with this KV cache inside a CUDA-graph capture; run one "
-            "decode step with the cache before capturing (CapturedStep and Inductor's CUDA graphs "
-            "do)")
+    _refuse_in_capture(keys, "this KV cache")
     b, h, length = keys.shape[:3]
     state = LazyState(inputs=keys.new_zeros(b, length, d, dtype=dtype),
                       valid=torch.zeros(b, h, dtype=torch.int32, device=keys.device),
@@ -65,6 +61,14 @@ def lazy_state(keys: torch.Tensor, d: int, dtype: torch.dtype) -> LazyState:
     _STATES[key] = state
     weakref.finalize(storage, _drop, key, state)
     return state
+
+
+def _refuse_in_capture(keys: torch.Tensor, what: str) -> None:
+    """State created inside a CUDA-graph capture would be zero-filled again at every replay."""
+    if keys.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"dejavu::lazy_kv: first call with {what} inside a CUDA-graph capture; run one decode "
+            "step with the cache before capturing (CapturedStep and Inductor's CUDA graphs do)")
 
 
 def _drop(key: tuple, state: LazyState) -> None:
@@ -94,9 +98,7 @@ def split_workspace(keys: torch.Tensor, width: int) -> tuple[torch.Tensor, torch
     found = _SPLIT.get(key)
     if found is not None:
         return found
-    if keys.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("dejavu::lazy_kv: first call with this cache shape inside a CUDA-graph "
-                           "capture; run one decode step before capturing")
+    _refuse_in_capture(keys, "this cache shape")
     tiles = -(-hd // MIN_COLUMNS)
     found = (torch.zeros(b, 2, length, width, dtype=torch.float32, device=keys.device),
              torch.zeros(b * h * 2 * tiles * (length + 1), dtype=torch.int32, device=keys.device),

@@ -40,7 +40,15 @@ import triton
 import triton.language as tl
 
 from .kv_state import lazy_state, split_workspace
-from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, dot_rows, finish_last, ieee
+from .triton_common import (
+    INTERPRET,
+    QUICK_TUNE,
+    check_dtype,
+    dot_rows,
+    finish_last,
+    fixed_config,
+    ieee,
+)
 
 # a decode step's configs (one new token): positions in tiles of BLOCK_P, multiplied on the tensor
 # cores (DOT, BLOCK_P at least 16) or as a broadcast product summed over d (a GEMV per position:
@@ -57,7 +65,7 @@ def decode_configs() -> list[triton.Config]:
     with the same result (a second run finds the filled positions present and records the same
     prefixes), so the autotuner may time it on the real cache."""
     if INTERPRET or QUICK_TUNE:
-        return [_config(DECODE_FIXED)]
+        return [fixed_config(DECODE_FIXED)]
     # the two fastest of each form in examples/lazy_kv_study.py on an H200 (fifteenth session,
     # BENCHMARKS.md): the GEMV form with long slices of d when only the new position is
     # computed (34-35 us on OPT-13B's shape), the tensor-core form when positions are missing
@@ -69,15 +77,9 @@ def decode_configs() -> list[triton.Config]:
               (1, False, 32, 128, 4, 3, 8), (1, False, 16, 128, 4, 3, 8),
               (1, False, 32, 128, 4, 3, 4), (4, False, 16, 128, 4, 3, 8),
               (16, True, 32, 128, 4, 3, 8), (16, True, 32, 64, 4, 3, 8)]
-    return [_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
+    return [fixed_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
                      "num_warps": w, "num_stages": st})
             for p, dot, c, k, w, st, split in shapes]
-
-
-def _config(fixed: dict) -> triton.Config:
-    meta = {k: v for k, v in fixed.items() if k not in ("num_warps", "num_stages")}
-    return triton.Config(meta, num_warps=fixed["num_warps"],
-                         num_stages=fixed.get("num_stages", 3))
 
 
 @triton.jit

@@ -41,9 +41,11 @@ UNION_REDUCE_FIXED = {**UNION_TILE_FIXED, "TILES": 2}
 
 
 def fixed_config(fixed: dict) -> triton.Config:
-    """The autotuner's config of a ``*_FIXED`` dict (its ``num_warps`` a launch option)."""
-    meta = {k: v for k, v in fixed.items() if k != "num_warps"}
-    return triton.Config(meta, num_warps=fixed["num_warps"])
+    """The autotuner's config of a ``*_FIXED`` dict (its ``num_warps`` and, when given,
+    ``num_stages`` launch options)."""
+    meta = {k: v for k, v in fixed.items() if k not in ("num_warps", "num_stages")}
+    return triton.Config(meta, num_warps=fixed["num_warps"],
+                         num_stages=fixed.get("num_stages", 3))
 
 
 def deterministic() -> bool:

@@ -401,8 +401,7 @@ def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, fake_mode) -> None:
     if why is not None:
         ctx.counters.add(f"lazy_kv_skipped[{why}]")
         return
-    first = k_write if _before(k_write, v_write) else v_write
-    with graph.inserting_before(first):
+    with graph.inserting_before(min(k_write, v_write)):  # the earlier write, in graph order
         node = _call(graph, fake_mode, OPS.lazy_kv.default, block.k.input, idx,
                      block.k.weight_node, block.k.bias_node, block.v.weight_node,
                      block.v.bias_node, keys, values, pos)
@@ -414,15 +413,6 @@ def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, fake_mode) -> None:
         _erase_dead(graph, [transpose, view, view.args[0]])
     ctx.lazy_kv_layers.add(block.layer)
     ctx.counters.add("lazy_kv")
-
-
-def _before(a: fx.Node, b: fx.Node) -> bool:
-    for node in a.graph.nodes:
-        if node is a:
-            return True
-        if node is b:
-            return False
-    raise ValueError("nodes not in the graph")
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
