@@ -3,10 +3,10 @@ K/V projection that it replaces (cuBLAS, the two weights stacked), on OPT-13B's 
 (d 5120, 40 heads of 128, a 256-position cache, position 200, heads 0.5).
 
 Scenarios: ``steady``, each selected head was selected at the step before (only the new position
-is computed); ``missing1``/``missing3``, half the selected heads were not selected for the last
-1 or 3 steps (those positions are zero and are filled in). For the missing scenarios, each timed
-launch follows a restore of the zeros and valid prefixes (timed alone and subtracted). Prints
-us a launch and GB/s on the selected heads' weight bytes, fastest first:
+is computed); ``missing1`` to ``missing100``, half the selected heads were not selected for the
+last 1, 3, 20 or 100 steps (those positions are zero and are filled in). For the missing
+scenarios, each timed launch follows a restore of the zeros and valid prefixes (timed alone and
+subtracted). Prints us a launch and GB/s on the selected heads' weight bytes, fastest first:
 
     python examples/lazy_kv_study.py            # needs a CUDA GPU
 """
@@ -73,10 +73,16 @@ def main() -> None:
              (1, False, 32, 128, 4, 3, 8), (1, False, 16, 128, 4, 3, 8),
              (1, False, 32, 128, 4, 3, 4), (1, False, 16, 64, 4, 3, 16),
              (4, False, 16, 128, 4, 3, 8), (16, True, 32, 128, 4, 3, 8),
-             (16, True, 32, 64, 4, 3, 8), (16, True, 16, 128, 4, 3, 16)]
+             (16, True, 32, 64, 4, 3, 8), (16, True, 16, 128, 4, 3, 16),
+             (32, True, 32, 64, 4, 3, 8), (64, True, 32, 64, 8, 3, 8),
+             (16, True, 64, 64, 4, 3, 8), (16, True, 64, 128, 4, 3, 8),
+             (16, True, 128, 64, 8, 3, 8), (16, True, 64, 64, 4, 3, 16),
+             (16, True, 128, 64, 8, 3, 16), (16, True, 32, 64, 4, 4, 16)]
     configs = [dict(zip(names, t if len(t) == 7 else (*t, 1), strict=True)) for t in tiles]
     rows = []
-    for scenario, gap in (("steady", 0), ("missing1", 1), ("missing3", 3)):
+    scenarios = (("steady", 0), ("missing1", 1), ("missing3", 3), ("missing20", 20),
+                 ("missing100", 100))
+    for scenario, gap in scenarios:
         behind = chosen[: k // 2]
         valid0 = torch.full((1, H), POS, dtype=torch.int32, device=dev)
         valid0[0, behind] = POS - gap
@@ -98,7 +104,7 @@ def main() -> None:
                 print(scenario, cfg, "failed:", str(e).splitlines()[0][:120])
                 continue
             rows.append((scenario, t, cfg))
-    for scenario in ("steady", "missing1", "missing3"):
+    for scenario, _ in scenarios:
         print(f"\n{scenario} (selected weights {sel_bytes / 1e6:.1f} MB):")
         for _, t, cfg in sorted((r for r in rows if r[0] == scenario), key=lambda r: r[1]):
             print(f"  {t:6.1f} us  {sel_bytes / t / 1e3:5.0f} GB/s  {cfg}")

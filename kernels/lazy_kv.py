@@ -66,17 +66,18 @@ def decode_configs() -> list[triton.Config]:
     prefixes), so the autotuner may time it on the real cache."""
     if INTERPRET or QUICK_TUNE:
         return [fixed_config(DECODE_FIXED)]
-    # the two fastest of each form in examples/lazy_kv_study.py on an H200 (fifteenth session,
-    # BENCHMARKS.md): the GEMV form with long slices of d when only the new position is
-    # computed (34-35 us on OPT-13B's shape), the tensor-core form when positions are missing
-    # (37-39 us; the GEMV form 47-105)
-    # d split over SPLIT programs (fp32 sums, the last program of a tile storing the rows):
-    # not yet timed
-    shapes = [(1, False, 16, 512, 4, 2, 1), (1, False, 8, 256, 2, 3, 1),
-              (16, True, 32, 128, 4, 3, 1), (16, True, 32, 256, 8, 3, 1),
-              (1, False, 32, 128, 4, 3, 8), (1, False, 16, 128, 4, 3, 8),
-              (1, False, 32, 128, 4, 3, 4), (4, False, 16, 128, 4, 3, 8),
-              (16, True, 32, 128, 4, 3, 8), (16, True, 32, 64, 4, 3, 8)]
+    # the tensor-core form with d split over 8 programs only: in examples/lazy_kv_study.py on an
+    # H200 (sixteenth session, BENCHMARKS.md) it was the fastest with only the new position to
+    # compute (27.5 us on OPT-13B's shape, cuBLAS's dense K/V 29.7) and with missing positions
+    # (28.0), while the GEMV form's time grows with the missing positions (29.5 us steady, 86
+    # with three missing). The autotuner times a call with few missing positions, and how many
+    # a later call finds depends on the selections in between, which it cannot see: in the
+    # OPT-13B decode step it picked the GEMV form, which then took 125 us a layer. Wider column
+    # tiles and more slices of d: not yet timed
+    shapes = [(16, True, 32, 64, 4, 3, 8), (16, True, 32, 128, 4, 3, 8),
+              (32, True, 32, 64, 4, 3, 8), (16, True, 64, 64, 4, 3, 8),
+              (16, True, 64, 128, 4, 3, 8), (16, True, 128, 64, 8, 3, 8),
+              (16, True, 64, 64, 4, 3, 16), (16, True, 128, 64, 8, 3, 16)]
     return [fixed_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
                      "num_warps": w, "num_stages": st})
             for p, dot, c, k, w, st, split in shapes]
