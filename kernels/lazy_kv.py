@@ -66,18 +66,16 @@ def decode_configs() -> list[triton.Config]:
     prefixes), so the autotuner may time it on the real cache."""
     if INTERPRET or QUICK_TUNE:
         return [fixed_config(DECODE_FIXED)]
-    # the tensor-core form with d split over 8 programs only: in examples/lazy_kv_study.py on an
-    # H200 (sixteenth session, BENCHMARKS.md) it was the fastest with only the new position to
-    # compute (27.5 us on OPT-13B's shape, cuBLAS's dense K/V 29.7) and with missing positions
-    # (28.0), while the GEMV form's time grows with the missing positions (29.5 us steady, 86
-    # with three missing). The autotuner times a call with few missing positions, and how many
-    # a later call finds depends on the selections in between, which it cannot see: in the
-    # OPT-13B decode step it picked the GEMV form, which then took 125 us a layer. Wider column
-    # tiles and more slices of d: not yet timed
-    shapes = [(16, True, 32, 64, 4, 3, 8), (16, True, 32, 128, 4, 3, 8),
-              (32, True, 32, 64, 4, 3, 8), (16, True, 64, 64, 4, 3, 8),
-              (16, True, 64, 128, 4, 3, 8), (16, True, 128, 64, 8, 3, 8),
-              (16, True, 64, 64, 4, 3, 16), (16, True, 128, 64, 8, 3, 16)]
+    # the tensor-core form with d split over 8 programs, 64 columns a tile: in
+    # examples/lazy_kv_study.py on an H200 (sixteenth session, BENCHMARKS.md) these two were
+    # the fastest in every scenario, 22.8-24.2 us with only the new position to compute and
+    # 74-80 us with 100 missing positions, against cuBLAS's dense K/V at 31.3 us. The GEMV form
+    # (BLOCK_P 1) is as fast with nothing missing and many times slower with missing positions
+    # (86 us with 3, 411 with 20): the autotuner times a call with few missing positions, and
+    # how many a later call finds depends on the selections in between, which it cannot see.
+    # Given the GEMV form among its configs, it picked it for the OPT-13B decode step, where it
+    # took 125 us a layer
+    shapes = [(16, True, 64, 128, 4, 3, 8), (16, True, 64, 64, 4, 3, 8)]
     return [fixed_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
                      "num_warps": w, "num_stages": st})
             for p, dot, c, k, w, st, split in shapes]
