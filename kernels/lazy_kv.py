@@ -15,23 +15,21 @@ head's new valid prefix; the programs of head 0 and tile 0 store the new rows' i
 decode step each selected head reads its weight rows once: at head density 0.5, half the bytes
 of the dense K/V projections.
 
-Measured (H200, fifteenth session, BENCHMARKS.md): too slow to pay. On OPT-13B's shape at head
-density 0.5 the best tile took 34 us with only new positions to compute and 37-39 us with
-missing ones, against 30.6 us for cuBLAS's dense K/V reading twice the bytes (1.5 against 3.4
-TB/s); in the decode step, 1703 us a step for 39 layers against 1227 for cuBLAS (its split-K
-reduction included). The time falls with fewer, longer slices of d (the GEMV form: 81 us with
-slices of 128, 34 with 512): each program's loop over d is latency-bound, its loads not
-issued ahead, and a program covers all of d for its columns. Splitting d over programs (fp32
-sums added atomically, the last program of a tile storing the cache row, as the query
-projection's kernels do) is the next step.
+Split form (``SPLIT`` > 1): each (head, column tile, keys or values) has ``SPLIT`` programs,
+each over a slice of d, so several times as many programs share the GPU and each loop is
+shorter. They add their fp32 sums into a workspace row per position
+(``kv_state.split_workspace``); the last of a position tile's programs
+(``triton_common.finish_last``) adds the bias, stores the cache rows and zeroes the sums and its
+counter. All programs of a tile see the same missing positions: the rows are stored only after
+every one of them has counted itself.
 
-Split form (``SPLIT`` > 1, built after that run, tested under the interpreter, not yet timed on
-a GPU): each (head, column tile, keys or values) has ``SPLIT`` programs, each over a slice of d,
-so several times as many programs share the GPU and each loop is shorter. They add their fp32
-sums into a workspace row per position (``kv_state.split_workspace``); the last of a position
-tile's programs (``triton_common.finish_last``) adds the bias, stores the cache rows and zeroes
-the sums and its counter. All programs of a tile see the same missing positions: the rows are
-stored only after every one of them has counted itself.
+Measured (H200, BENCHMARKS.md). In the fifteenth session the kernel had only the unsplit forms
+and was latency-bound: 34 us at best on OPT-13B's shape at head density 0.5, against 30.6 us for
+cuBLAS's dense K/V reading twice the bytes. In the sixteenth, the tensor-core form split over 8
+programs took 22.8 us (cuBLAS 31.3) and 74 us with 100 positions missing for half the selected
+heads, and in the OPT-13B decode step (at ``10bf031``) 1143 us a step for 39 layers against 1225
+for cuBLAS's K/V and its reductions: the captured lookahead step was 10-16% faster than with
+dense K/V in three runs of three.
 """
 
 from __future__ import annotations
