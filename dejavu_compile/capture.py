@@ -126,16 +126,20 @@ class CapturedStep:
         # tensor's id, address)], its part of the key)
         self._caches: dict[int, tuple] = {}
 
-    def _cache_state(self, value: Any) -> tuple:
+    def _cache_state(self, value: Any) -> tuple | None:
         """``_state(value)``, worked out once per cache object and then only checked: the same
         layer objects holding the same tensor objects at the same addresses. Only ids and
-        addresses are kept, so a cache the caller drops is freed."""
+        addresses are kept, so a cache the caller drops is freed. None for a cache with a layer
+        that holds no tensors yet (only looked for when the check fails: a checked cache's
+        layers are the ones that held tensors)."""
         layers = value.layers
         memo = self._caches.get(id(value))
         if memo is not None and memo[0]() is value and tuple(map(id, layers)) == memo[1] and all(
                 id(t := getattr(layers[i], name, None)) == tid and t.data_ptr() == ptr
                 for i, name, tid, ptr in memo[2]):
             return memo[3]
+        if _unfilled_layer(value) is not None:
+            return None
         state = _state(value)  # ("cache", type name, ((layer index, name, address), ...))
         tensors = [(i, name, id(getattr(layers[i], name)), ptr) for i, name, ptr in state[2]]
         try:
@@ -144,9 +148,10 @@ class CapturedStep:
             pass
         return state
 
-    def key(self, kwargs: dict[str, Any]) -> tuple:
+    def key(self, kwargs: dict[str, Any]) -> tuple | None:
         """The capture a call replays: each tensor argument's shape, strides, dtype and device
-        (what Dynamo's guards check), each other argument's ``_state``."""
+        (what Dynamo's guards check), each other argument's ``_state``. None when a cache
+        argument has a layer that holds no tensors yet (such a call runs as it is)."""
         parts = []
         for name in sorted(kwargs):
             value = kwargs[name]
@@ -154,7 +159,10 @@ class CapturedStep:
                 parts.append((name, "tensor", tuple(value.shape), value.stride(), value.dtype,
                               str(value.device)))
             elif getattr(value, "layers", None) is not None:
-                parts.append((name, *self._cache_state(value)))
+                state = self._cache_state(value)
+                if state is None:
+                    return None
+                parts.append((name, *state))
             else:
                 parts.append((name, *_state(value)))
         return tuple(parts)
@@ -175,10 +183,11 @@ class CapturedStep:
             signature = inspect.signature(getattr(self, "__wrapped__", self.forward))
             kwargs = {**signature.bind_partial(*args).arguments, **kwargs}
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        if not tensors or any(t.device.type != "cuda" for t in tensors.values()) or any(
-                _unfilled_layer(v) is not None for v in kwargs.values()):
+        if not tensors or any(t.device.type != "cuda" for t in tensors.values()):
             return self.forward(**kwargs)
         key = self.key(kwargs)
+        if key is None:  # the prefill that fills the cache, generate()'s first call
+            return self.forward(**kwargs)
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:  # compile and autotune outside a capture

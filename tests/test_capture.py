@@ -57,18 +57,26 @@ def test_the_key_follows_the_cache_tensors_and_the_input_shapes(tiny):
     assert step.key({**_step_args(ids, cache), "use_cache": False}) != key
 
 
-def test_a_cache_key_is_checked_not_rebuilt_and_the_cache_is_not_kept(tiny):
-    """A cache's part of the key is worked out once and then checked: a layer's tensor
-    replaced (another object, or another address) or a layer replaced gives a new key, and the
-    step keeps no reference that would hold a dropped cache's memory."""
+def test_a_cache_key_is_checked_not_rebuilt_and_the_cache_is_not_kept(tiny, monkeypatch):
+    """A cache's part of the key is worked out once and then checked (not walked again for an
+    unfilled layer either): a layer's tensor replaced (another object, or another address) or a
+    layer replaced gives a new key, and the step keeps no reference that would hold a dropped
+    cache's memory."""
     import gc
     import weakref
 
+    from dejavu_compile import capture
+
+    walks = []
+    walk = capture._unfilled_layer
+    monkeypatch.setattr(capture, "_unfilled_layer", lambda v: walks.append(1) or walk(v))
     model = tiny("llama")
     step = CapturedStep(model.forward)
     ids, cache = _prefilled(model)
     key = step.key(_step_args(ids, cache))
+    first = len(walks)
     assert step.key(_step_args(ids, cache)) == key
+    assert first > 0 and len(walks) == first
     layer = cache.layers[1]
     old_keys = layer.keys
     layer.keys = old_keys.clone()
@@ -103,8 +111,8 @@ def test_graph_split_calls_the_cut_of_a_capture_only_inside_one():
 def test_caches_a_replay_cannot_advance_are_refused(tiny):
     """A layer that counts its positions in a Python number (a sliding window of Gemma 3's
     static cache) would not advance under a replay, and a dynamic cache's tensors move every
-    step: both refused with the layer named; so is a cache not filled yet, and an argument a
-    graph cannot take."""
+    step: both refused with the layer named; so is an argument a graph cannot take. A cache not
+    filled yet gets no key: its call (the prefill that fills it) runs as it is."""
     gemma = tiny("gemma3")
     ids, cache = _prefilled(gemma)
     step = CapturedStep(gemma.forward)
@@ -117,8 +125,7 @@ def test_caches_a_replay_cannot_advance_are_refused(tiny):
         llama(input_ids=ids, past_key_values=dynamic, use_cache=True)
     with pytest.raises(ValueError, match=r"cache layer 0 \(DynamicLayer\).*not a static cache"):
         step.key(_step_args(ids, dynamic))
-    with pytest.raises(ValueError, match="holds no tensors yet"):
-        step.key(_step_args(ids, StaticCache(config=llama.config, max_cache_len=16)))
+    assert step.key(_step_args(ids, StaticCache(config=llama.config, max_cache_len=16))) is None
     with pytest.raises(TypeError, match="argument of type list"):
         step.key({**_step_args(ids, cache), "extra": [1]})
 
@@ -130,8 +137,6 @@ def test_compile_with_capture_serves_generate(tiny):
     captures and the rest replay. The prefill, its cache not filled yet, runs as it is. On CPU
     the tokens are those of the model compiled without capture, and a positional call works."""
     import inspect
-
-    from dejavu_compile.capture import _unfilled_layer
 
     options = {"selector": "oracle", "mlp_density": 0.5}
     ids = prompt()
@@ -149,8 +154,7 @@ def test_compile_with_capture_serves_generate(tiny):
     keys, inner = [], step.forward
 
     def recording(**kwargs):
-        keys.append(None if any(_unfilled_layer(v) is not None for v in kwargs.values())
-                    else step.key(kwargs))
+        keys.append(step.key(kwargs))
         return inner(**kwargs)
 
     step.forward = recording
@@ -187,8 +191,8 @@ def test_a_step_is_captured_only_after_a_call_that_compiled_nothing(tiny):
 
 
 def test_a_prefill_into_an_unfilled_cache_runs_as_it_is(tiny):
-    """A cache whose layers hold no tensors yet cannot be keyed (``key`` refuses it); the call,
-    the prefill that fills it, goes to the forward."""
+    """A cache whose layers hold no tensors yet gets no key (``key`` gives None); the call, the
+    prefill that fills it, goes to the forward."""
     model = tiny("llama")
     step = CapturedStep(model.forward)
     ids = prompt()
