@@ -60,8 +60,9 @@ import torch
 
 
 def _state(value: Any) -> tuple:
-    """What a non-tensor argument contributes to the capture's key: a cache's tensors'
-    addresses (the graph reads and writes them in place), else the value itself."""
+    """What a non-tensor argument contributes to the capture's key: a filled cache's tensors'
+    addresses (the graph reads and writes them in place; ``CapturedStep._cache_state`` gives
+    an unfilled one no key), else the value itself."""
     layers = getattr(value, "layers", None)
     if layers is None:
         try:
@@ -71,10 +72,6 @@ def _state(value: Any) -> tuple:
                             "tensor, a cache nor a plain value; a captured graph cannot take it"
                             ) from None
         return ("value", value)
-    unfilled = _unfilled_layer(value)
-    if unfilled is not None:
-        raise ValueError(f"CapturedStep: cache layer {unfilled} holds no tensors yet (run the "
-                         "prefill first)")
     ptrs = []
     for i, layer in enumerate(layers):
         if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
@@ -100,8 +97,8 @@ def _state(value: Any) -> tuple:
 
 def _unfilled_layer(value: Any) -> int | None:
     """The first layer of the cache ``value`` that holds no tensors yet (None when every layer
-    does, or ``value`` is no cache): ``_state`` refuses such a cache, and a call with one (the
-    prefill that fills it, ``generate``'s first call) runs as it is."""
+    does, or ``value`` is no cache): such a cache gets no key, and a call with one (the prefill
+    that fills it, ``generate``'s first call) runs as it is."""
     for i, layer in enumerate(getattr(value, "layers", None) or ()):
         if getattr(layer, "is_initialized", True) is False:
             return i

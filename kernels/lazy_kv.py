@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .kv_state import lazy_state, split_workspace
+from .reference import id_rows
 from .triton_common import (
     INTERPRET,
     QUICK_TUNE,
@@ -50,13 +51,22 @@ from .triton_common import (
 
 # a decode step's configs (one new token): positions in tiles of BLOCK_P, multiplied on the tensor
 # cores (DOT, BLOCK_P at least 16) or as a broadcast product summed over d (a GEMV per position:
-# the common step has one needed position, the new one). The one config of quick tuning: on a
-# GPU the first of decode_configs(); under the interpreter a small GEMV form, so that the CPU
-# tests run that form too (each form also has its own kernel test)
+# the common step has one needed position, the new one).
+# The tiles the autotuner sweeps on a GPU: the tensor-core form with d split over 8 programs,
+# 64 columns a tile. In examples/lazy_kv_study.py on an H200 (sixteenth session, BENCHMARKS.md)
+# these two were the fastest in every scenario, 22.8-24.2 us with only the new position to
+# compute and 74-80 us with 100 missing positions, against cuBLAS's dense K/V at 31.3 us. The
+# GEMV form (BLOCK_P 1) is slower with nothing missing (29.6 us) and many times slower with
+# missing positions (86.6 us with 3, 411 with 20). The autotuner times a call with few missing
+# positions, and how many a later call finds depends on the selections in between, which it
+# cannot see: given the GEMV form among its configs, it picked it for the OPT-13B decode step,
+# where it took 125 us a layer.
+DECODE_TILES = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": 64, "BLOCK_K": k, "SPLIT": 8,
+                 "num_warps": 4, "num_stages": 3} for k in (128, 64)]
+# the one config of quick tuning: on a GPU the first of those; under the interpreter a small
+# GEMV form, so that the CPU tests run that form too (each form also has its own kernel test)
 DECODE_FIXED = ({"BLOCK_P": 4, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "SPLIT": 2,
-                 "num_warps": 4} if INTERPRET else
-                {"BLOCK_P": 16, "DOT": True, "BLOCK_C": 64, "BLOCK_K": 128, "SPLIT": 8,
-                 "num_warps": 4, "num_stages": 3})
+                 "num_warps": 4} if INTERPRET else DECODE_TILES[0])
 # a prefill through the op (several new tokens): every head, tiles of 64 positions
 PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C": 32,
                  "BLOCK_K": 32 if INTERPRET else 64, "SPLIT": 1, "num_warps": 4}
@@ -68,19 +78,7 @@ def decode_configs() -> list[triton.Config]:
     prefixes), so the autotuner may time it on the real cache."""
     if INTERPRET or QUICK_TUNE:
         return [fixed_config(DECODE_FIXED)]
-    # the tensor-core form with d split over 8 programs, 64 columns a tile: in
-    # examples/lazy_kv_study.py on an H200 (sixteenth session, BENCHMARKS.md) these two were
-    # the fastest in every scenario, 22.8-24.2 us with only the new position to compute and
-    # 74-80 us with 100 missing positions, against cuBLAS's dense K/V at 31.3 us. The GEMV form
-    # (BLOCK_P 1) is slower with nothing missing (29.6 us) and many times slower with missing
-    # positions (86.6 us with 3, 411 with 20). The autotuner times a call with few missing
-    # positions, and how many a later call finds depends on the selections in between, which
-    # it cannot see: given the GEMV form among its configs, it picked it for the OPT-13B decode
-    # step, where it took 125 us a layer
-    shapes = [(16, True, 64, 128, 4, 3, 8), (16, True, 64, 64, 4, 3, 8)]
-    return [fixed_config({"BLOCK_P": p, "DOT": dot, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
-                     "num_warps": w, "num_stages": st})
-            for p, dot, c, k, w, st, split in shapes]
+    return [fixed_config(tile) for tile in DECODE_TILES]
 
 
 @triton.jit
@@ -199,9 +197,7 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = Non
         raise ValueError("lazy_kv: the inputs, weights and cache need contiguous last dims")
     state = lazy_state(keys, d, x.dtype)
     every = idx is None or n > 1
-    ids = x if every else idx.reshape(-1, idx.shape[-1])
-    if not every and ids.shape[0] not in (1, batch):
-        raise ValueError(f"lazy_kv: {ids.shape[0]} id rows for a batch of {batch}")
+    ids = x if every else id_rows(idx, batch)
 
     sums, tile_counts, cmax = split_workspace(keys, heads * hd)
 

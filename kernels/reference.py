@@ -309,6 +309,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return (s.softmax(-1) @ vv).to(q.dtype)
 
 
+def id_rows(idx: torch.Tensor, batch: int) -> torch.Tensor:
+    """``lazy_kv``'s selection as [rows, k] ids: one row per sequence, or one shared row."""
+    ids = idx.reshape(-1, idx.shape[-1])
+    if ids.shape[0] not in (1, batch):
+        raise ValueError(f"lazy_kv: {ids.shape[0]} id rows for a batch of {batch}")
+    return ids
+
+
 def selected_heads(idx: torch.Tensor | None, batch: int, tokens: int, heads: int) -> torch.Tensor:
     """[batch, heads] bool: the heads whose keys and values ``lazy_kv`` computes. All of them
     when there is no selection or several new tokens (a prefill); else those of each sequence's
@@ -316,9 +324,7 @@ def selected_heads(idx: torch.Tensor | None, batch: int, tokens: int, heads: int
     chosen = torch.zeros(batch, heads, dtype=torch.bool, device="cpu")
     if idx is None or tokens > 1:
         return chosen.fill_(True)
-    ids = idx.reshape(-1, idx.shape[-1]).cpu()
-    if ids.shape[0] not in (1, batch):
-        raise ValueError(f"lazy_kv: {ids.shape[0]} id rows for a batch of {batch}")
+    ids = id_rows(idx, batch).cpu()
     for b in range(batch):
         row = ids[b if ids.shape[0] == batch else 0]
         row = row[(row >= 0) & (row < heads)]
