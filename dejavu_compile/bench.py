@@ -597,7 +597,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_store", "dejavu_reorder", "dejavu_fill", "dejavu_merge", "dejavu_split",
          "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead",
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
-         "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy")
+         "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
+         "dejavu_captured_lazy_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -656,6 +657,9 @@ _DEJAVU_MODES = {
     # selected heads only, missing positions filled in later (option lazy_kv)
     "dejavu_lazy": (True, True, BUCKET_UNITS, {"lazy_kv": True}),
     "dejavu_captured_lazy": (True, True, BUCKET_UNITS, {"cudagraphs": False, "lazy_kv": True}),
+    # dejavu_captured_lazy with the kernels launched programmatically, as dejavu_pdl
+    "dejavu_captured_lazy_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                            "lazy_kv": True}),
 }
 # the captures per key of the modes that replay through CapturedStep with more than one
 _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
@@ -664,12 +668,14 @@ _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
 @contextlib.contextmanager
 def kernel_switches(mode: str):
     """The kernels' environment switches as ``mode`` needs them while the block runs:
-    ``DEJAVU_PDL`` (programmatic launch) set to 1 for ``dejavu_pdl``, ``DEJAVU_STORE_ROWS`` (the
-    row-storing kernels) for ``dejavu_store``, each unset otherwise; restored afterwards."""
+    ``DEJAVU_PDL`` (programmatic launch) set to 1 for the modes named ``*_pdl``,
+    ``DEJAVU_STORE_ROWS`` (the row-storing kernels) for ``dejavu_store``, each unset otherwise;
+    restored afterwards."""
     from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
-        for name, on in ((PDL_ENV, mode == "dejavu_pdl"), (STORE_ROWS_ENV, mode == "dejavu_store")):
+        for name, on in ((PDL_ENV, mode.endswith("_pdl")),
+                         (STORE_ROWS_ENV, mode == "dejavu_store")):
             os.environ.pop(name, None)
             if on:
                 os.environ[name] = "1"

@@ -364,3 +364,35 @@ def test_lazy_kv_matches_dense_kv(tmp_path):
     cos = torch.nn.functional.cosine_similarity(runs[True], runs[False], dim=-1)
     assert cos.min() > 0.999, cos
     assert torch.equal(captured, runs[True]), _differ(captured, runs[True])
+
+
+def test_programmatic_launch_in_the_captured_lazy_step(tmp_path, monkeypatch):
+    """The bench's ``dejavu_captured_lazy_pdl`` step on a small OPT: lazy K/V, replayed through
+    ``CapturedStep``, with ``DEJAVU_PDL=1`` gives the logits of the same step launched plainly,
+    to the tolerance of fp16 sums added in another order (atomics). The fixed selector keeps
+    the selections equal (see ``test_step_variants_match_the_default_step``); so this checks
+    every kernel of the step against its predecessors in one stream, not a side stream's."""
+    from dejavu_compile.kernels.triton_common import programmatic
+
+    from dejavu_compile.bench import kernel_switches
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    model = _small_opt(6)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(5))
+    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+               "lazy_kv": True, "cudagraphs": False}
+    runs = {}
+    for mode in ("dejavu_captured_lazy", "dejavu_captured_lazy_pdl"):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+        with kernel_switches(mode):
+            assert programmatic() == mode.endswith("_pdl")
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
+                                                tokens, 24)
+    assert dejavu_compile.report(model).counters.get("lazy_kv", 0) >= 5
+    want = runs["dejavu_captured_lazy"]
+    torch.testing.assert_close(runs["dejavu_captured_lazy_pdl"], want,
+                               atol=2e-2 * want.abs().max().item(), rtol=2e-2)
