@@ -21,7 +21,8 @@ shorter. They add their fp32 sums into a workspace row per position
 (``kv_state.split_workspace``); the last of a position tile's programs
 (``triton_common.finish_last``) adds the bias, stores the cache rows and zeroes the sums and its
 counter. All programs of a tile see the same missing positions: the rows are stored only after
-every one of them has counted itself.
+every one of them has counted itself. Under ``torch.use_deterministic_algorithms`` a decode step
+runs unsplit (``step_config``): the atomics' order would change the bits from run to run.
 
 Measured (H200, BENCHMARKS.md). In the fifteenth session the kernel had only the unsplit forms
 and was latency-bound: 34 us at best on OPT-13B's shape at head density 0.5, against 30.6 us for
@@ -43,6 +44,7 @@ from .triton_common import (
     INTERPRET,
     QUICK_TUNE,
     check_dtype,
+    deterministic,
     dot_rows,
     finish_last,
     fixed_config,
@@ -67,6 +69,10 @@ DECODE_TILES = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": 64, "BLOCK_K": k, "SPLIT
 # GEMV form, so that the CPU tests run that form too (each form also has its own kernel test)
 DECODE_FIXED = ({"BLOCK_P": 4, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "SPLIT": 2,
                  "num_warps": 4} if INTERPRET else DECODE_TILES[0])
+# under torch.use_deterministic_algorithms: the tensor-core form over the whole of d, no atomics
+# (the split form's sums meet in no fixed order), so a step gives the same bits every run
+DETERMINISTIC_FIXED = {**DECODE_TILES[0], "SPLIT": 1} if not INTERPRET else \
+    {**DECODE_FIXED, "SPLIT": 1}
 # a prefill through the op (several new tokens): every head, tiles of 64 positions
 PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C": 32,
                  "BLOCK_K": 32 if INTERPRET else 64, "SPLIT": 1, "num_warps": 4}
@@ -185,10 +191,25 @@ def _lazy_kv_kernel(
 _decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD"])(_lazy_kv_kernel)
 
 
+def step_config(n: int, config: dict | None = None) -> dict | None:
+    """The fixed config a call with ``n`` new tokens runs, None for the autotuned decode
+    kernel: a prefill ``PREFILL_FIXED``; a decode step ``config`` when given, else in
+    deterministic mode ``DETERMINISTIC_FIXED`` (``config`` too must then not split d)."""
+    if n > 1:
+        return PREFILL_FIXED
+    if deterministic():
+        if config is not None and config["SPLIT"] > 1:
+            raise ValueError("lazy_kv: a config that splits d (SPLIT > 1) adds its sums with "
+                             "atomics, which deterministic mode does not allow")
+        return config or DETERMINISTIC_FIXED
+    return config
+
+
 def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None) -> None:
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
     new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``-like dict) when
-    given; a prefill runs ``PREFILL_FIXED``."""
+    given; a prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
+    (``step_config``)."""
     check_dtype("lazy_kv", x, wk, wv, keys, values)
     batch, n, d = x.shape
     heads, hd = keys.shape[1], keys.shape[3]
@@ -213,7 +234,7 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = Non
             values.stride(0), values.stride(1), values.stride(2))
     meta = dict(ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv),
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
-    fixed = PREFILL_FIXED if n > 1 else config
+    fixed = step_config(n, config)
     if fixed is None:
         _decode_kernel[grid](*args, **meta)
     else:

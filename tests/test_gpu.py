@@ -52,11 +52,11 @@ def _deterministic():
 
 
 def _differ(a: torch.Tensor, b: torch.Tensor) -> str:
-    """Where two runs' logits [STEPS, vocab] differ: the largest difference and the steps."""
+    """Where two runs' logits [steps, vocab] differ: the largest difference and the steps."""
     steps = ((a - b).abs().amax(-1) > 0).nonzero().flatten().tolist()
     if not steps:
         return "identical"
-    return (f"max {(a - b).abs().max().item()}, in {len(steps)} of {STEPS} steps, "
+    return (f"max {(a - b).abs().max().item()}, in {len(steps)} of {a.shape[0]} steps, "
             f"the first {steps[:8]}")
 
 

@@ -121,6 +121,30 @@ def test_kernel_matches_the_reference(dtype, bias, batch, hd, config):
     assert not kv_state.lazy_state(got[0], 40, dtype).counts.any()
 
 
+def test_deterministic_mode_runs_the_kernel_unsplit(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms`` a decode step runs a form without atomics
+    (SPLIT 1; the split form's sums meet in no fixed order), a given split config is refused
+    with a clear error, and the kernel still matches the reference."""
+    from dejavu_compile.kernels import lazy_kv
+
+    assert lazy_kv.step_config(1) is None  # autotuned
+    assert lazy_kv.step_config(4) is lazy_kv.PREFILL_FIXED
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert lazy_kv.step_config(1)["SPLIT"] == 1
+        assert lazy_kv.step_config(1, _CONFIGS["dot"]) is _CONFIGS["dot"]
+        with pytest.raises(ValueError, match="SPLIT > 1.*deterministic"):
+            lazy_kv.step_config(1, _CONFIGS["dot_split3"])
+        shape = dict(batch=1, hd=16, bias=True, seed=5)
+        got = _steps(lazy_kv.lazy_kv, torch.float16, **shape)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    want = _steps(_ref_on_state, torch.float16, **shape)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_kernel_prefill_computes_every_head():
     """Several new tokens (a prefill through the op): every head, every new position."""
     from dejavu_compile.kernels import lazy_kv
