@@ -55,7 +55,6 @@ from .triton_common import (
     deterministic,
     dot_rows,
     dot_split,
-    down_configs,
     finish,
     finish_last,
     fused_targets,
@@ -64,6 +63,7 @@ from .triton_common import (
     ieee,
     launch,
     partials,
+    reduce_configs,
     reduce_slots,
     selection,
     shared,
@@ -154,7 +154,7 @@ def _up_store_kernel(
 # the weight's column stride is in the key: a transposed view (the one call before the in-place
 # re-layout) must not pick the tiles that every later call, on the re-laid-out rows, runs with
 # CLEAN zeroes the pre-activations once read: the autotuner restores them between its trials
-@triton.autotune(configs=down_configs(), key=["DOUT", "K", "stride_w2o"],
+@triton.autotune(configs=reduce_configs(), key=["DOUT", "K", "stride_w2o"],
                  reset_to_zero=["out_ptr", "cnt_ptr", "clean_ptr"],
                  restore_value=["pre_ptr", "up_ptr"])
 @triton.jit

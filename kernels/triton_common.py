@@ -325,22 +325,6 @@ def reduce_configs() -> list[triton.Config]:
             for n, d, w in shapes for t in (1, 2, 4, 8)]
 
 
-def down_configs() -> list[triton.Config]:
-    """``reduce_configs`` narrowed, for the sparse MLP's down kernel, to the tiles that ran
-    fastest inside the decode step on an H200: 16 or 32 rows by 512 columns, loops of 4 or 8
-    tiles. The autotuner times one call alone after an L2 flush, and from the whole list it
-    picked tiles that the step runs slower (BENCHMARKS.md): at the OPT-13B down projection at
-    density 0.1, 16 x 512 in loops of 4 took 12.7 us in the step's form
-    (``examples/down_kernel_study.py --flags``, thirteenth session) and 628 us a step for 39
-    layers, against 715 us for the 32 x 256 tile the autotuner had chosen (seventeenth
-    session); at Llama-3-8B's at density 0.5, 16 x 512 in loops of 8 was fastest (22.3 us) and
-    32 x 512 in loops of 8 next (23.2)."""
-    if INTERPRET or QUICK_TUNE:
-        return [fixed_config(REDUCE_FIXED)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_D": 512, "TILES": t}, num_warps=4)
-            for n, t in ((16, 4), (16, 8), (32, 8))]
-
-
 def check_dtype(name: str, *tensors) -> None:
     """Raise a clear error for a dtype the kernels do not handle (they accumulate in fp32)."""
     for t in tensors:
