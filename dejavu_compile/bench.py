@@ -22,6 +22,9 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from unittest import mock
@@ -1001,6 +1004,103 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
     return result
 
 
+def merge_tuned(into: dict, more: dict) -> dict:
+    """``into`` with ``more``'s entries added (``kernels.tuning.tuned()``'s form): a key
+    already in ``into`` keeps its config."""
+    for kernel, entries in more.items():
+        have = into.setdefault(kernel, [])
+        keys = [e["key"] for e in have]
+        have += [e for e in entries if e["key"] not in keys]
+    return into
+
+
+def child_command(model: str, mode: str, out_json: str, breakdown: bool,
+                  tuned: str | None) -> list[str]:
+    """The ``dejavu bench`` command line that measures one end-to-end mode in a process of its
+    own (``isolated``)."""
+    cmd = [sys.executable, "-m", "dejavu_compile.cli", "bench", "--models", model,
+           "--no-kernels", "--modes", mode, "--json", out_json]
+    return cmd + (["--breakdown"] if breakdown else []) + (["--tuned", tuned] if tuned else [])
+
+
+def _run_child(cmd: list[str], timeout: float | None) -> tuple[int, str]:
+    """Run a child bench; its return code and the tail of what it wrote."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr if isinstance(e.stderr, str) else (e.stderr or b"").decode(errors="replace")
+        return -1, f"timed out after {timeout} s\n{tail[-2000:]}"
+    return out.returncode, (out.stdout + out.stderr)[-2000:]
+
+
+def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
+             breakdown: bool = False, tuned: str | None = None, timeout: float | None = None,
+             runner=_run_child) -> dict:
+    """End-to-end decode latency with every mode in a process of its own, ``rounds`` times,
+    the modes' order reversed every other round: a mode's time then owes nothing to the modes
+    measured before it in the same process, and a drift of the machine over the run falls on
+    every mode alike. Each row gains its ``round``; ``markdown`` takes each ratio against the
+    same round's ``hf_compiled`` and adds the medians over the rounds.
+
+    The first process to tune a kernel's key records its config; every later process runs
+    with all configs recorded so far (and those of ``tuned``, which come first), so every
+    round runs the same tiles. A process that fails or passes ``timeout`` seconds is listed
+    under ``failed`` with the tail of its output; the run goes on."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("dejavu bench needs a CUDA GPU")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    unknown = [m for m in models if m not in shape_configs()]
+    if unknown:
+        raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(shape_configs())}")
+    workdir = tempfile.mkdtemp(prefix="dejavu-bench-")
+    configs = load_tuned(tuned) if tuned else {}
+    result = {"gpu": None, "copy_gbs": None, "kernels": [], "e2e": [], "failed": [],
+              "rounds": rounds, "complete": False}
+    if tuned:
+        result["tuned_from"] = {"path": tuned, "keys": sum(len(v) for v in configs.values())}
+
+    def save() -> None:
+        result["tuned"] = configs
+        if out_json:
+            with open(out_json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    modes = list(dict.fromkeys(modes))
+    for r in range(rounds):
+        for name in models:
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                child_json = os.path.join(workdir, f"{name}-{mode}-{r}.json")
+                seeds = None
+                if configs:
+                    seeds = os.path.join(workdir, "tuned.json")
+                    with open(seeds, "w") as f:
+                        json.dump(configs, f)
+                code, tail = runner(child_command(name, mode, child_json, breakdown, seeds),
+                                    timeout)
+                child = None
+                if os.path.exists(child_json):
+                    with open(child_json) as f:
+                        child = json.load(f)
+                rows = child["e2e"] if child else []
+                if code != 0 or not rows:
+                    result["failed"].append({"model": name, "mode": mode, "round": r,
+                                             "returncode": code, "output": tail})
+                if child:
+                    result["gpu"], result["copy_gbs"] = child["gpu"], child["copy_gbs"]
+                    merge_tuned(configs, child.get("tuned") or {})
+                for row in rows:
+                    row["round"] = r
+                    row.pop("tuned", None)  # the run's configs are kept once, in "tuned"
+                    result["e2e"].append(row)
+                    print(json.dumps({k: v for k, v in row.items()
+                                      if k not in ("breakdown", "host_breakdown")}), flush=True)
+                save()
+    result["complete"] = not result["failed"]
+    save()
+    return result
+
+
 # Issue 4's operating points: the paper's for OPT (MLP 0.1, heads 0.5, first layer dense) and
 # MLP 0.5 with dense attention for Llama-3-8B.
 OPERATING_POINTS = {
@@ -1016,11 +1116,19 @@ def _ms(value: float | None) -> str:
 
 def markdown(result: dict, command: str, commit: str, date: str) -> str:
     """A BENCHMARKS.md section for ``result``."""
-    lines = [f"## {date}: `{command}`", "",
-             f"GPU {result['gpu']}, commit `{commit}`, measured copy bandwidth "
-             f"{result['copy_gbs']:.0f} GB/s (read + write).", ""]
+    bw = "" if result["copy_gbs"] is None else \
+        f", measured copy bandwidth {result['copy_gbs']:.0f} GB/s (read + write)"
+    lines = [f"## {date}: `{command}`", "", f"GPU {result['gpu']}, commit `{commit}`{bw}.", ""]
+    if result.get("rounds"):
+        lines += [f"Every mode measured in a process of its own, {result['rounds']} round(s), "
+                  "the modes' order reversed every other round; each ratio is against the same "
+                  "round's hf_compiled.", ""]
     if result.get("complete") is False:
         lines += ["Partial: the run stopped before its end; these are the results it wrote.", ""]
+    for f in result.get("failed", []):
+        lines += [f"Failed: {f['model']} {f['mode']} in round {f['round']} (return code "
+                  f"{f['returncode']}): `{(f['output'].strip().splitlines() or [''])[-1]}`",
+                  ""]
     if result.get("tuned_from"):
         src = result["tuned_from"]
         lines += [f"Kernel configs: {src['keys']} tuning keys taken from `{src['path']}` instead "
@@ -1046,14 +1154,18 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         # each mode's per-step time over its model's hf_compiled in the same run (issue 4's
         # ratios are against that step)
-        hf = {r["model"]: r["ms_per_token"] for r in result["e2e"] if r["mode"] == "hf_compiled"}
+        # (the same round's, with isolated processes: ``isolated``)
+        hf = {(r["model"], r.get("round")): r["ms_per_token"] for r in result["e2e"]
+              if r["mode"] == "hf_compiled"}
         for r in result["e2e"]:
-            ratio = (f"{r['ms_per_token'] / hf[r['model']]:.3f}x" if r["model"] in hf else "")
+            at = (r["model"], r.get("round"))
+            ratio = f"{r['ms_per_token'] / hf[at]:.3f}x" if at in hf else ""
             point = (f"MLP {r['operating_point']['mlp']}, attention "
                      f"{r['operating_point']['attention']}"
                      if r["mode"] in SPARSE_MODES else "")
+            mode = r["mode"] if r.get("round") is None else f"{r['mode']} (round {r['round']})"
             lines.append(
-                f"| {r['model']} | {r['mode']} | {point} | {r['ms_per_token']:.2f} "
+                f"| {r['model']} | {mode} | {point} | {r['ms_per_token']:.2f} "
                 f"({r['p20']:.2f}-{r['p80']:.2f}) | {_ms(r.get('host_ms'))} | "
                 f"{_ms(r.get('pipelined_ms'))} | {r['bytes_per_token'] / 1e9:.2f} GB | "
                 f"{r['floor_ms']:.2f} | {r['peak_gib']:.1f} | {ratio} |")
@@ -1062,12 +1174,35 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                   "pace. pipelined: the same steps launched back to back, the next token and "
                   "its position kept on the GPU and one synchronisation at the end, so the "
                   "host's work overlaps the GPU's.", ""]
+        lines += _rounds_markdown(result["e2e"], hf)
         for r in result["e2e"]:
             if r.get("breakdown"):
                 lines += _breakdown_markdown(r)
     if result.get("kv"):
         lines += _kv_markdown(result["kv"])
     return "\n".join(lines)
+
+
+def _rounds_markdown(rows: list[dict], hf: dict) -> list[str]:
+    """Per model and mode, the median over the rounds of ms/token and of the ratio to the same
+    round's ``hf_compiled`` (rows of ``isolated``; nothing for rows without rounds)."""
+    rounds = [r for r in rows if r.get("round") is not None]
+    if not rounds:
+        return []
+    lines = ["Medians over the rounds:", "",
+             "| model | mode | rounds | ms/token, each round | median ms/token | "
+             "median over HF compiled |", "| --- | --- | --- | --- | --- | --- |"]
+    for (model, mode), group in itertools.groupby(
+            sorted(rounds, key=lambda r: (r["model"], r["mode"], r["round"])),
+            key=lambda r: (r["model"], r["mode"])):
+        group = list(group)
+        ratios = [r["ms_per_token"] / hf[(model, r["round"])] for r in group
+                  if (model, r["round"]) in hf]
+        each = ", ".join(f"{r['ms_per_token']:.2f}" for r in group)
+        ratio = f"{statistics.median(ratios):.3f}x" if ratios else ""
+        lines.append(f"| {model} | {mode} | {len(group)} | {each} | "
+                     f"{statistics.median(r['ms_per_token'] for r in group):.2f} | {ratio} |")
+    return lines + [""]
 
 
 def _shown(rows: list[dict]) -> list[dict]:

@@ -28,10 +28,18 @@ def _commit() -> str:
 def _bench(args) -> int:
     from . import bench
 
-    result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
-                       e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
-                       breakdown=args.breakdown, kv_attention=args.kv_attention,
-                       tuned=args.tuned)
+    if args.isolate:
+        if not args.no_kernels or args.no_e2e or args.kv:
+            raise SystemExit("dejavu bench: --isolate measures the end-to-end modes only; "
+                             "give --no-kernels, and neither --no-e2e nor --kv")
+        result = bench.isolated(args.models, args.modes, args.isolate, out_json=args.json,
+                                breakdown=args.breakdown, tuned=args.tuned,
+                                timeout=args.child_timeout)
+    else:
+        result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
+                           e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
+                           breakdown=args.breakdown, kv_attention=args.kv_attention,
+                           tuned=args.tuned)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -285,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tuned", metavar="FILE",
                    help="run the kernels with the configs an earlier bench JSON recorded "
                         "(its 'tuned') instead of tuning those keys again")
+    p.add_argument("--isolate", type=int, metavar="ROUNDS",
+                   help="run every end-to-end mode in a process of its own, ROUNDS times, the "
+                        "modes' order reversed every other round; ratios against the same "
+                        "round's hf_compiled, and their medians (needs --no-kernels)")
+    p.add_argument("--child-timeout", type=float, metavar="S",
+                   help="with --isolate: stop a mode's process after S seconds (listed as "
+                        "failed; the run goes on)")
     p.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)

@@ -3,6 +3,7 @@ the profiler breakdown and the markdown it writes into BENCHMARKS.md."""
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -218,7 +219,6 @@ def test_tuned_configs_round_trip_through_json(monkeypatch, tmp_path):
     """The configs the autotuners chose, per tuning key, come out as plain data (the bench's
     JSON keeps them) and go back into the autotuners' caches, so a later run uses those tiles
     without tuning; a kernel not tuned is left out."""
-    import json
 
     from dejavu_compile.kernels import decode_attention, sparse_mlp, tuning
 
@@ -242,7 +242,6 @@ def test_tuned_configs_that_do_not_fit_are_refused(monkeypatch, tmp_path):
     """A kernel this build does not autotune, a config outside a kernel's candidates or an
     entry without its fields is an error naming it, and nothing is seeded; a bench JSON
     without tuned configs is refused as such."""
-    import json
 
     from dejavu_compile.kernels import decode_attention, tuning
 
@@ -361,7 +360,6 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     """The JSON is rewritten after each result, marked incomplete until the run ends: a run
     that stops early (a device call's time limit) keeps the modes it finished, and the
     markdown made from it says it is partial."""
-    import json
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
@@ -417,3 +415,71 @@ def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
                            "dejavu_sparse", "dejavu_captured_ahead2"]
     # the captured modes replay captures of their own: one per key, two for the "2" mode
     assert captured == [0, 1, 0, 1, 0, 2]
+
+
+def test_isolated_runs_each_mode_in_its_own_process_in_alternating_order(monkeypatch, tmp_path):
+    """``dejavu bench --isolate N``: one child process per mode and round, the modes' order
+    reversed every other round; every child after the first runs with the configs tuned so
+    far; each ratio is against the same round's hf_compiled, with medians over the rounds; a
+    child that fails is listed and the run goes on, marked incomplete."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    calls, seeds = [], []
+    times = {("hf_compiled", 0): 10.0, ("dejavu_sparse", 0): 4.0,
+             ("dejavu_sparse", 1): 4.8, ("hf_compiled", 1): 12.0}
+
+    def runner(cmd, timeout):
+        mode, out = cmd[cmd.index("--modes") + 1], cmd[cmd.index("--json") + 1]
+        r = sum(1 for c in calls if c == mode)
+        calls.append(mode)
+        seeds.append(json.load(open(cmd[cmd.index("--tuned") + 1])) if "--tuned" in cmd
+                     else None)
+        assert "--no-kernels" in cmd and "--breakdown" in cmd and timeout == 30
+        if mode == "dejavu_fixed":
+            return 1, "Traceback\nRuntimeError: out of memory\n"
+        row = {"model": "opt-13b", "mode": mode, "ms_per_token": times[(mode, r)], "p20": 1.0,
+               "p80": 2.0, "bytes_per_token": 1e9, "floor_ms": 0.2, "peak_gib": 1.0,
+               "operating_point": {"mlp": 0.1, "attention": 0.5}, "tuned": {}}
+        tuned = {"k._a": [{"key": [1], "config": {"n": 1}}]} if mode == "dejavu_sparse" else {}
+        json.dump({"gpu": "H", "copy_gbs": 4000.0, "e2e": [row], "tuned": tuned},
+                  open(out, "w"))
+        return 0, ""
+
+    out = tmp_path / "iso.json"
+    result = bench.isolated(["opt-13b"], ["hf_compiled", "dejavu_sparse", "dejavu_fixed"], 2,
+                            out_json=str(out), breakdown=True, timeout=30, runner=runner)
+    assert calls == ["hf_compiled", "dejavu_sparse", "dejavu_fixed",
+                     "dejavu_fixed", "dejavu_sparse", "hf_compiled"]
+    # the configs the first dejavu child tuned go to every child after it
+    assert seeds[:2] == [None, None] and all(s == {"k._a": [{"key": [1], "config": {"n": 1}}]}
+                                             for s in seeds[2:])
+    assert [(f["mode"], f["round"]) for f in result["failed"]] == [("dejavu_fixed", 0),
+                                                                   ("dejavu_fixed", 1)]
+    assert result["complete"] is False and json.loads(out.read_text())["rounds"] == 2
+    assert [r["round"] for r in result["e2e"]] == [0, 0, 1, 1]
+    text = bench.markdown(result, "dejavu bench --isolate 2", "abc1234", "2026-12-01")
+    rows = [line for line in text.splitlines() if "| dejavu_sparse (round" in line]
+    assert rows[0].endswith("| 0.400x |") and rows[1].endswith("| 0.400x |"), rows  # 4/10, 4.8/12
+    median = [line for line in text.splitlines() if line.startswith("| opt-13b | dejavu_sparse |")]
+    assert median == ["| opt-13b | dejavu_sparse | 2 | 4.00, 4.80 | 4.40 | 0.400x |"], median
+    assert "Failed: opt-13b dejavu_fixed in round 1 (return code 1): `RuntimeError: out of " \
+           "memory`" in text
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        bench.isolated(["opt-13b"], ["hf_compiled"], 0, runner=runner)
+
+
+def test_isolate_builds_a_child_command_the_cli_reads(monkeypatch):
+    """The child's command line is one the ``dejavu bench`` parser accepts, for one model and
+    one mode, with the JSON it is read back from; ``--isolate`` refuses the kernel sweep."""
+    from dejavu_compile import cli
+
+    cmd = bench.child_command("opt-13b", "dejavu_captured_lazy", "/tmp/x.json", True, "t.json")
+    assert cmd[1:4] == ["-m", "dejavu_compile.cli", "bench"]
+    seen = {}
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.update(vars(args)) or 0)
+    assert cli.main(cmd[3:]) == 0
+    assert seen["models"] == ["opt-13b"] and seen["modes"] == ["dejavu_captured_lazy"]
+    assert seen["json"] == "/tmp/x.json" and seen["breakdown"] and seen["tuned"] == "t.json"
+    assert seen["no_kernels"] and seen["isolate"] is None
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="--isolate measures the end-to-end modes only"):
+        cli.main(["bench", "--models", "opt-13b", "--isolate", "2"])
