@@ -1218,7 +1218,8 @@ def _breakdown_markdown(r: dict) -> list[str]:
                 f"{r['gpu_idle_ms']:.2f} ms with no kernel running and "
                 f"{r['gpu_concurrent_ms']:.2f} ms with two or more at once; kernels on "
                 f"{r['gpu_streams']} stream{'s' if r['gpu_streams'] != 1 else ''}")
-    lines = [f"GPU kernel time per decode step, {r['model']} {r['mode']} (torch.profiler over 8 "
+    mode = r["mode"] if r.get("round") is None else f"{r['mode']} (round {r['round']})"
+    lines = [f"GPU kernel time per decode step, {r['model']} {mode} (torch.profiler over 8 "
              f"steps; wall time {r['ms_per_token']:.2f} ms{idle}):", "",
              "| kernel | us per step | calls per step |", "| --- | --- | --- |"]
     for k in _shown(r["breakdown"]):
@@ -1226,7 +1227,7 @@ def _breakdown_markdown(r: dict) -> list[str]:
         lines.append(f"| `{name}` | {k['us_per_step']:.1f} | {k['calls_per_step']:.0f} |")
     lines.append("")
     if r.get("host_breakdown"):
-        lines += [f"Host time per decode step, {r['model']} {r['mode']} (torch.profiler with CPU "
+        lines += [f"Host time per decode step, {r['model']} {mode} (torch.profiler with CPU "
                   f"activity, over {PROFILED_STEPS} more steps; the profiler slows the host):",
                   "", "| event | own us per step | us per step with the events inside | "
                   "calls per step |", "| --- | --- | --- | --- |"]

@@ -438,7 +438,8 @@ def test_isolated_runs_each_mode_in_its_own_process_in_alternating_order(monkeyp
             return 1, "Traceback\nRuntimeError: out of memory\n"
         row = {"model": "opt-13b", "mode": mode, "ms_per_token": times[(mode, r)], "p20": 1.0,
                "p80": 2.0, "bytes_per_token": 1e9, "floor_ms": 0.2, "peak_gib": 1.0,
-               "operating_point": {"mlp": 0.1, "attention": 0.5}, "tuned": {}}
+               "operating_point": {"mlp": 0.1, "attention": 0.5}, "tuned": {},
+               "breakdown": [{"kernel": "k", "us_per_step": 1.0, "calls_per_step": 1.0}]}
         tuned = {"k._a": [{"key": [1], "config": {"n": 1}}]} if mode == "dejavu_sparse" else {}
         json.dump({"gpu": "H", "copy_gbs": 4000.0, "e2e": [row], "tuned": tuned},
                   open(out, "w"))
@@ -459,6 +460,7 @@ def test_isolated_runs_each_mode_in_its_own_process_in_alternating_order(monkeyp
     text = bench.markdown(result, "dejavu bench --isolate 2", "abc1234", "2026-12-01")
     rows = [line for line in text.splitlines() if "| dejavu_sparse (round" in line]
     assert rows[0].endswith("| 0.400x |") and rows[1].endswith("| 0.400x |"), rows  # 4/10, 4.8/12
+    assert "GPU kernel time per decode step, opt-13b dejavu_sparse (round 1) (" in text
     median = [line for line in text.splitlines() if line.startswith("| opt-13b | dejavu_sparse |")]
     assert median == ["| opt-13b | dejavu_sparse | 2 | 4.00, 4.80 | 4.40 | 0.400x |"], median
     assert "Failed: opt-13b dejavu_fixed in round 1 (return code 1): `RuntimeError: out of " \
