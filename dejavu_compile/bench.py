@@ -1053,7 +1053,6 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
     unknown = [m for m in models if m not in shape_configs()]
     if unknown:
         raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(shape_configs())}")
-    workdir = tempfile.mkdtemp(prefix="dejavu-bench-")
     configs = load_tuned(tuned) if tuned else {}
     result = {"gpu": None, "copy_gbs": None, "kernels": [], "e2e": [], "failed": [],
               "rounds": rounds, "complete": False}
@@ -1067,8 +1066,8 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
                 json.dump(result, f, indent=1)
 
     modes = list(dict.fromkeys(modes))
-    for r in range(rounds):
-        for name in models:
+    with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as workdir:
+        for r, name in itertools.product(range(rounds), models):
             for mode in (modes if r % 2 == 0 else modes[::-1]):
                 child_json = os.path.join(workdir, f"{name}-{mode}-{r}.json")
                 seeds = None
