@@ -185,6 +185,18 @@ def test_a_new_generation_after_an_eager_prefill_keeps_its_entries():
     _check(keys, values, xs2, weights, last, heads, hd, 9, dict(atol=1e-5, rtol=1e-5))
 
 
+def test_a_selection_needs_one_id_row_per_sequence_or_one_shared():
+    """``id_rows``, the one check of a selection's rows for the reference and the kernel: one
+    row per sequence or one shared row; any other count is refused, naming both counts."""
+    per_row = torch.tensor([[[0, 2]], [[1, 3]]])
+    assert ref.id_rows(per_row, 2).shape == (2, 2)
+    assert ref.id_rows(torch.tensor([[0, 2]]), 3).shape == (1, 2)
+    with pytest.raises(ValueError, match="lazy_kv: 2 id rows for a batch of 3"):
+        ref.id_rows(per_row, 3)
+    assert ref.selected_heads(torch.tensor([[0, -1, 9]]), 2, 1, 4).tolist() == \
+        [[True, False, False, False]] * 2  # shared row; padding and ids past the heads ignored
+
+
 def test_the_state_is_per_cache_and_freed_with_it():
     gc.collect()  # the caches of earlier tests
     before = kv_state.live_states()
