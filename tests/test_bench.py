@@ -485,3 +485,15 @@ def test_isolate_builds_a_child_command_the_cli_reads(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="--isolate measures the end-to-end modes only"):
         cli.main(["bench", "--models", "opt-13b", "--isolate", "2"])
+
+
+def test_a_child_process_gives_its_code_and_output_or_times_out():
+    """``isolated``'s runner: a child's return code and the tail of its output; a child past
+    its time limit is stopped and reported as timed out (-1)."""
+    import sys
+
+    code, tail = bench._run_child([sys.executable, "-c", "print('measured'); raise SystemExit(3)"],
+                                  30)
+    assert code == 3 and "measured" in tail
+    code, tail = bench._run_child([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
+    assert code == -1 and tail.startswith("timed out after 0.5 s")
