@@ -941,19 +941,25 @@ def load_tuned(path: str) -> dict:
     return data
 
 
+def _checked(models: list[str]) -> dict:
+    """The shape configs, after checking that a CUDA GPU is here and every model is known."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("dejavu bench needs a CUDA GPU")
+    configs = shape_configs()
+    unknown = [m for m in models if m not in configs]
+    if unknown:
+        raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(configs)}")
+    return configs
+
+
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
         kv_attention: str = KV_ATTENTION[0], tuned: str | None = None) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict. ``tuned``: a
     file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
     keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("dejavu bench needs a CUDA GPU")
+    configs = _checked(models)
     seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
-    configs = shape_configs()
-    unknown = [m for m in models if m not in configs]
-    if unknown:
-        raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(configs)}")
     bw = copy_bandwidth()
     result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": [],
               "complete": False}
@@ -1046,13 +1052,9 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
     with all configs recorded so far (and those of ``tuned``, which come first), so every
     round runs the same tiles. A process that fails or passes ``timeout`` seconds is listed
     under ``failed`` with the tail of its output; the run goes on."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("dejavu bench needs a CUDA GPU")
+    _checked(models)
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    unknown = [m for m in models if m not in shape_configs()]
-    if unknown:
-        raise ValueError(f"unknown model shape(s) {unknown}; known: {sorted(shape_configs())}")
     configs = load_tuned(tuned) if tuned else {}
     result = {"gpu": None, "copy_gbs": None, "kernels": [], "e2e": [], "failed": [],
               "rounds": rounds, "complete": False}
@@ -1162,9 +1164,8 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
             point = (f"MLP {r['operating_point']['mlp']}, attention "
                      f"{r['operating_point']['attention']}"
                      if r["mode"] in SPARSE_MODES else "")
-            mode = r["mode"] if r.get("round") is None else f"{r['mode']} (round {r['round']})"
             lines.append(
-                f"| {r['model']} | {mode} | {point} | {r['ms_per_token']:.2f} "
+                f"| {r['model']} | {_mode_label(r)} | {point} | {r['ms_per_token']:.2f} "
                 f"({r['p20']:.2f}-{r['p80']:.2f}) | {_ms(r.get('host_ms'))} | "
                 f"{_ms(r.get('pipelined_ms'))} | {r['bytes_per_token'] / 1e9:.2f} GB | "
                 f"{r['floor_ms']:.2f} | {r['peak_gib']:.1f} | {ratio} |")
@@ -1180,6 +1181,11 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
     if result.get("kv"):
         lines += _kv_markdown(result["kv"])
     return "\n".join(lines)
+
+
+def _mode_label(row: dict) -> str:
+    """A result row's mode, with its round when an isolated run measured it."""
+    return row["mode"] if row.get("round") is None else f"{row['mode']} (round {row['round']})"
 
 
 def _rounds_markdown(rows: list[dict], hf: dict) -> list[str]:
@@ -1217,7 +1223,7 @@ def _breakdown_markdown(r: dict) -> list[str]:
                 f"{r['gpu_idle_ms']:.2f} ms with no kernel running and "
                 f"{r['gpu_concurrent_ms']:.2f} ms with two or more at once; kernels on "
                 f"{r['gpu_streams']} stream{'s' if r['gpu_streams'] != 1 else ''}")
-    mode = r["mode"] if r.get("round") is None else f"{r['mode']} (round {r['round']})"
+    mode = _mode_label(r)
     lines = [f"GPU kernel time per decode step, {r['model']} {mode} (torch.profiler over 8 "
              f"steps; wall time {r['ms_per_token']:.2f} ms{idle}):", "",
              "| kernel | us per step | calls per step |", "| --- | --- | --- |"]
