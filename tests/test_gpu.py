@@ -366,7 +366,7 @@ def test_lazy_kv_matches_dense_kv(tmp_path):
     assert torch.equal(captured, runs[True]), _differ(captured, runs[True])
 
 
-def test_programmatic_launch_in_the_captured_lazy_step(tmp_path, monkeypatch):
+def test_programmatic_launch_in_the_captured_lazy_step():
     """The bench's ``dejavu_captured_lazy_pdl`` step on a small OPT: lazy K/V, replayed through
     ``CapturedStep``, with ``DEJAVU_PDL=1`` gives the logits of the same step launched plainly,
     to the tolerance of fp16 sums added in another order (atomics). The fixed selector keeps

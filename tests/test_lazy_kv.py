@@ -121,7 +121,7 @@ def test_kernel_matches_the_reference(dtype, bias, batch, hd, config):
     assert not kv_state.lazy_state(got[0], 40, dtype).counts.any()
 
 
-def test_deterministic_mode_runs_the_kernel_unsplit(monkeypatch):
+def test_deterministic_mode_runs_the_kernel_unsplit():
     """Under ``torch.use_deterministic_algorithms`` a decode step runs a form without atomics
     (SPLIT 1; the split form's sums meet in no fixed order), a given split config is refused
     with a clear error, and the kernel still matches the reference."""
