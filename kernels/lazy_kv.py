@@ -11,7 +11,7 @@ is multiplied out, ``inputs[rows] @ W[head's columns]^T`` (the new rows read fro
 tensor cores, and stored where needed. Each program checks and writes only its own columns, so
 no program reads what another writes. A program of an unselected head writes zeros at the new
 positions. The last program of a head (a counter per head, zero between calls) records the
-head's new valid prefix; the programs of head 0 and tile 0 store the new rows' inputs. In a
+head's new valid prefix; the programs share out the storing of the new rows' inputs. In a
 decode step each selected head reads its weight rows once: at head density 0.5, half the bytes
 of the dense K/V projections.
 
@@ -173,13 +173,16 @@ def _lazy_kv_kernel(
             zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=cache.dtype.element_ty)
             tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :], zeros,
                      mask=(offs_p < e)[:, None] & mask_c[None, :])
-    if (h == 0) & (pid_c == 0) & (pid_z == 0):  # the new rows' inputs, kept for later fills
-        for r in range(0, N):
-            for d0 in range(0, D, BLOCK_K):
-                offs_k = d0 + tl.arange(0, BLOCK_K)
-                row = tl.load(x_ptr + b * stride_xb + r * stride_xn + offs_k, mask=offs_k < D)
-                tl.store(in_ptr + b * stride_ib + (s + r) * stride_il + offs_k, row,
-                         mask=offs_k < D)
+    # the new rows' inputs, kept for later fills, in chunks of BLOCK_K shared out over the
+    # sequence's programs: one program copying them all waited a load's latency per chunk (40
+    # chunks of OPT-13B's row)
+    chunks = tl.cdiv(D, BLOCK_K)
+    first = (h * tl.num_programs(1) + pid_c) * tl.num_programs(2) + pid_z
+    for item in range(first, N * chunks, H * tl.num_programs(1) * tl.num_programs(2)):
+        r = item // chunks
+        offs_k = (item % chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
+        row = tl.load(x_ptr + b * stride_xb + r * stride_xn + offs_k, mask=offs_k < D)
+        tl.store(in_ptr + b * stride_ib + (s + r) * stride_il + offs_k, row, mask=offs_k < D)
     # every program of the head read its valid prefix before counting (release); the last
     # one records the new prefix and leaves the counter zero
     programs = tl.num_programs(1) * tl.num_programs(2)

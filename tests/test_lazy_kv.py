@@ -159,7 +159,10 @@ def test_kernel_prefill_computes_every_head():
     tol = dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(keys[:, :, :20].float(), _dense(xs, wk, bk, heads, hd), **tol)
     torch.testing.assert_close(values[:, :, :20].float(), _dense(xs, wv, bv, heads, hd), **tol)
-    assert kv_state.lazy_state(keys, d, torch.float16).valid.eq(20).all()
+    state = kv_state.lazy_state(keys, d, torch.float16)
+    assert state.valid.eq(20).all()
+    # every new position's input is kept (20 rows of 40, shared out over the programs)
+    assert torch.equal(state.inputs[:, :20], xs) and not state.inputs[:, 20:].any()
 
 
 def test_a_new_generation_after_an_eager_prefill_keeps_its_entries():
