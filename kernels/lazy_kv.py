@@ -174,8 +174,8 @@ def _lazy_kv_kernel(
             tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :], zeros,
                      mask=(offs_p < e)[:, None] & mask_c[None, :])
     # the new rows' inputs, kept for later fills, in chunks of BLOCK_K shared out over the
-    # sequence's programs: one program copying them all waited a load's latency per chunk (40
-    # chunks of OPT-13B's row)
+    # sequence's programs: one program copying them all runs its chunks one after another, a
+    # load's latency each (40 chunks of OPT-13B's row)
     chunks = tl.cdiv(D, BLOCK_K)
     first = (h * tl.num_programs(1) + pid_c) * tl.num_programs(2) + pid_z
     for item in range(first, N * chunks, H * tl.num_programs(1) * tl.num_programs(2)):

@@ -58,7 +58,7 @@ def test_real_model_discovery_and_exactness(real):
         got = _decode_logits(real.model, ids, steps=2)
     # Within 1e-4 of the logits' scale (Gemma 3's reach 24): the traced model sums in another
     # order. Diffs are about 2e-5 (threads 1 or 2); once, in a full run of this group, Gemma 3's
-    # prefill logits (no sparse op in them) were 6.8e-4 off, which a bare 1e-4 failed.
+    # logits after the prompt were 6.8e-4 off, which a bare 1e-4 failed.
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
     rep = dejavu_compile.report(real.model)
     assert [r.layer for r in rep.layers] == list(range(layers))
