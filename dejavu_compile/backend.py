@@ -68,7 +68,8 @@ def _dump(folder: Path, number: int, step: int, name: str, gm: fx.GraphModule) -
 
 
 def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
-    """Inductor's config for the rewritten graph: CUDA graphs when asked, and no
+    """Inductor's config for the rewritten graph: CUDA graphs when asked, multi-kernel
+    reductions when asked (``DejavuOptions.multi_kernel``), and no
     ``reorder_for_locality`` unless asked (``DejavuOptions.reorder_for_locality``). That
     post-grad pass moves each producer right before its first consumer:
     - it put every predictor the lookahead pass moved a layer ahead back beside the sparse op
@@ -83,6 +84,8 @@ def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
     patches["reorder_for_locality"] = opts.reorder_for_locality
     if opts.graph_splits and opts.cudagraphs:  # the graphs are cut at each dejavu::graph_split
         patches["graph_partition"] = True
+    if opts.multi_kernel:  # each qualifying reduction both ways, the faster kept
+        patches["triton.multi_kernel"] = 1
     return patches
 
 

@@ -601,7 +601,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead",
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
-         "dejavu_captured_lazy_pdl")
+         "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -663,6 +663,11 @@ _DEJAVU_MODES = {
     # dejavu_captured_lazy with the kernels launched programmatically, as dejavu_pdl
     "dejavu_captured_lazy_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                             "lazy_kv": True}),
+    # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
+    # loops and in one pass, the faster kept (option multi_kernel)
+    "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                               "lazy_kv": True,
+                                                               "multi_kernel": True}),
 }
 # the captures per key of the modes that replay through CapturedStep with more than one
 _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}

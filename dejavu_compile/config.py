@@ -136,6 +136,14 @@ class DejavuOptions:
         three runs of three (4.44-4.61 ms); its outputs match dense K/V's up to rounding
         (tested). Off by default for now: the kept inputs grow with the context, and the
         default has not been measured on the GPU with it on.
+    multi_kernel: Inductor compiles each reduction that qualifies both as a loop over the row
+        and as one pass over a row held in registers (a persistent reduction), and keeps the
+        faster, timed on the GPU at the first call (Inductor's ``triton.multi_kernel``). By
+        default Inductor loops over rows longer than 1024: OPT-13B's fused add and layer norm
+        (a row of 5120) ran as such loops, 3.4-4.3 us a launch, 78 launches and 296 us of a
+        captured decode step (H200, BENCHMARKS.md, seventeenth session). Costs compile time
+        (two kernels per such reduction); nothing changes on CPU. Off by default: not yet
+        measured on a GPU (bench mode ``dejavu_captured_lazy_mk_pdl``).
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -162,6 +170,7 @@ class DejavuOptions:
     merge_attention: bool = False
     graph_splits: tuple[int, ...] = ()
     lazy_kv: bool = False
+    multi_kernel: bool = False
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:

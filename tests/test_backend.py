@@ -529,6 +529,18 @@ def test_graph_splits_cut_the_step_before_the_layers_asked():
     assert dejavu_compile.backend.inductor_patches(opts)["graph_partition"] is True
 
 
+def test_multi_kernel_option_reaches_inductor():
+    """``multi_kernel`` sets Inductor's ``triton.multi_kernel`` for the rewritten graph (on CPU
+    Inductor's C++ code has no use for it); off, the key is not set at all."""
+    base = {"selector": "oracle", "mlp_density": 0.5}
+    assert "triton.multi_kernel" not in dejavu_compile.backend.inductor_patches(
+        DejavuOptions.from_mapping(base))
+    opts = DejavuOptions.from_mapping({**base, "multi_kernel": True})
+    assert dejavu_compile.backend.inductor_patches(opts)["triton.multi_kernel"] == 1
+    with pytest.raises(TypeError, match="multi_kernel"):
+        DejavuOptions.from_mapping({**base, "multi_kernel": 1})
+
+
 def test_graph_split_goes_before_the_layer_and_changes_nothing(tiny):
     """Each graph holding layer 1 gets one ``dejavu::graph_split`` on that layer's attention
     input, before every node that reads it; the logits are those without the cut (on CPU the

@@ -323,12 +323,12 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
         torch.testing.assert_close(results[on][2].double(), want_z, atol=2e-3, rtol=2e-3)
 
 
-def _small_opt(layers: int) -> torch.nn.Module:
+def _small_opt(layers: int, hidden: int = 1024) -> torch.nn.Module:
     import transformers as tf
 
-    cfg = tf.OPTConfig(vocab_size=512, hidden_size=1024, ffn_dim=4096, num_hidden_layers=layers,
-                       num_attention_heads=16, word_embed_proj_dim=1024,
-                       max_position_embeddings=1024)
+    cfg = tf.OPTConfig(vocab_size=512, hidden_size=hidden, ffn_dim=4 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=16,
+                       word_embed_proj_dim=hidden, max_position_embeddings=1024)
     torch.manual_seed(0)
     model = tf.OPTForCausalLM(cfg).to("cuda", torch.float16).eval()
     with torch.no_grad():  # random biases, so a dropped one shows
@@ -396,3 +396,37 @@ def test_programmatic_launch_in_the_captured_lazy_step():
     want = runs["dejavu_captured_lazy"]
     torch.testing.assert_close(runs["dejavu_captured_lazy_pdl"], want,
                                atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+def test_multi_kernel_in_the_captured_lazy_step():
+    """The bench's ``dejavu_captured_lazy_mk_pdl`` step on an OPT whose rows (2048) are too long
+    for Inductor's one-pass layer norm by default: with option ``multi_kernel`` Inductor's code
+    holds multi-kernels (each reduction compiled both ways, the faster kept at the first call,
+    before the capture), and the replayed step gives the logits of the step without them, to
+    the tolerance of fp16 sums added in another order."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dejavu_compile.bench import kernel_switches
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    model = _small_opt(4, hidden=2048)
+    tokens = torch.randint(0, 512, (1, 32 + 16), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(6))
+    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+            "lazy_kv": True, "cudagraphs": False}
+    runs, codes = {}, {}
+    for multi in (False, True):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={**base, "multi_kernel": multi})
+        # no cached graph: its code would not pass through the hook
+        with kernel_switches("dejavu_captured_lazy_mk_pdl"), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            _, codes[multi] = run_and_get_code(_teacher_forced_logits, model, fwd, tokens, 16)
+            runs[multi] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
+                                                 tokens, 16)
+    marker = "async_compile.multi_kernel("
+    assert any(marker in c for c in codes[True]) and not any(marker in c for c in codes[False])
+    torch.testing.assert_close(runs[True], runs[False],
+                               atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
