@@ -288,7 +288,8 @@ def test_union_selection_kernels(dtype, k, batch):
         got = kernel(*args, union=True)
         torch.testing.assert_close(got.double(), _ref64(reference, *args, union=True),
                                    **TOL[dtype])
-        if k < n:  # the union is not each row's own selection
+        if k < n and batch <= 3:  # the union is not each row's own selection (the 18 rows'
+            # per-row kernels, under the interpreter, would double the test's time)
             assert not torch.allclose(got, kernel(*args)), kernel.__name__
 
 
