@@ -176,16 +176,16 @@ def _lazy_kv_kernel(
     # the new rows' inputs, kept for later fills, in chunks of BLOCK_K shared out over the
     # sequence's programs: one program copying them all runs its chunks one after another, a
     # load's latency each (40 chunks of OPT-13B's row)
+    programs = tl.num_programs(1) * tl.num_programs(2)  # a head's
     chunks = tl.cdiv(D, BLOCK_K)
-    first = (h * tl.num_programs(1) + pid_c) * tl.num_programs(2) + pid_z
-    for item in range(first, N * chunks, H * tl.num_programs(1) * tl.num_programs(2)):
+    first = h * programs + pid_c * tl.num_programs(2) + pid_z
+    for item in range(first, N * chunks, H * programs):
         r = item // chunks
         offs_k = (item % chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
         row = tl.load(x_ptr + b * stride_xb + r * stride_xn + offs_k, mask=offs_k < D)
         tl.store(in_ptr + b * stride_ib + (s + r) * stride_il + offs_k, row, mask=offs_k < D)
     # every program of the head read its valid prefix before counting (release); the last
     # one records the new prefix and leaves the counter zero
-    programs = tl.num_programs(1) * tl.num_programs(2)
     if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == programs - 1:
         tl.store(valid_ptr + bh, tl.where(chosen > 0, e, lo))
         tl.atomic_xchg(cnt_ptr + bh, 0)
