@@ -89,6 +89,24 @@ def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
     return patches
 
 
+def seed_shipped_configs(example_inputs) -> None:
+    """Seed the kernels' autotuners with the configs shipped for each CUDA GPU that the graph's
+    inputs are on (option ``shipped_configs``; ``kernels.tuning.seed_shipped``)."""
+    from dejavu_compile import kernels
+
+    devices = {t.device for t in example_inputs
+               if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+    if not devices or not kernels.HAVE_TRITON:
+        return
+    from dejavu_compile.kernels import tuning
+
+    for device in devices:
+        gpu = torch.cuda.get_device_name(device)
+        count = tuning.seed_shipped(gpu)
+        if count:
+            log.info("dejavu: %d kernel tuning keys from %s", count, tuning.shipped_path(gpu))
+
+
 def _inner_compile(gm: fx.GraphModule, example_inputs, opts: DejavuOptions):
     if opts.inner == "eager":
         return gm.forward
@@ -107,6 +125,8 @@ def dejavu_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     if unknown:
         raise TypeError(f"dejavu backend got unexpected argument(s) {unknown}")
     opts = options if isinstance(options, DejavuOptions) else DejavuOptions.from_mapping(options)
+    if opts.shipped_configs:
+        seed_shipped_configs(example_inputs)
     ctx = transform(gm, example_inputs, opts)
     with _LOCK:
         report = build_graph_report(ctx, index=len(_REPORTS))

@@ -976,6 +976,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         """The JSON as measured so far, rewritten after each result: a run stopped by a time
         limit keeps what it measured (``complete`` false)."""
         result["tuned"] = tuning.tuned()
+        if tuning.shipped():
+            result["shipped"] = tuning.shipped()
         if out_json:
             with open(out_json, "w") as f:
                 json.dump(result, f, indent=1)
@@ -1095,6 +1097,8 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
                 if child:
                     result["gpu"], result["copy_gbs"] = child["gpu"], child["copy_gbs"]
                     merge_tuned(configs, child.get("tuned") or {})
+                    if child.get("shipped"):
+                        result.setdefault("shipped", child["shipped"])
                 for row in rows:
                     row["round"] = r
                     row.pop("tuned", None)  # the run's configs are kept once, in "tuned"
@@ -1139,6 +1143,10 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
         src = result["tuned_from"]
         lines += [f"Kernel configs: {src['keys']} tuning keys taken from `{src['path']}` instead "
                   "of tuned in this run.", ""]
+    for gpu, src in (result.get("shipped") or {}).items():
+        lines += [f"Shipped kernel configs for the {gpu}: {src['keys']} tuning keys from "
+                  f"`kernels/tuned/{os.path.basename(src['path'])}` "
+                  "(option shipped_configs) instead of tuned in this run.", ""]
     if result["kernels"]:
         lines += ["### Kernels (fp16, batch 1; ms per call, median of CUDA-graph replays over "
                   f"{LAYERS} weight sets)", "",

@@ -144,6 +144,15 @@ class DejavuOptions:
         captured decode step (H200, BENCHMARKS.md, seventeenth session). Costs compile time
         (two kernels per such reduction); nothing changes on CPU. Off by default: not yet
         measured on a GPU (bench mode ``dejavu_captured_lazy_mk_pdl``).
+    shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
+        ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
+        their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
+        still tune, and a config already chosen in the process is kept. The autotuner times a
+        kernel alone, and inside a decode step its choice can be far from the fastest: on an
+        H200 the OPT-13B down projection at MLP density 0.1 took 1366 us a step with the
+        autotuner's tile against 628 us with the shipped one (BENCHMARKS.md, nineteenth
+        session). The H200 file covers the OPT-13B shape at MLP 0.1 and heads 0.5. On by
+        default; nothing changes on CPU.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment
         variable ``DEJAVU_DUMP_DIR`` sets it when the option is not given.
@@ -171,6 +180,7 @@ class DejavuOptions:
     graph_splits: tuple[int, ...] = ()
     lazy_kv: bool = False
     multi_kernel: bool = False
+    shipped_configs: bool = True
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -15,11 +15,16 @@ tensors' dtypes).
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
+import re
+from pathlib import Path
 from typing import Any
 
 import triton
 from triton.runtime.autotuner import Autotuner
+
+from .triton_common import INTERPRET, QUICK_TUNE
 
 
 def autotuners() -> dict[str, Autotuner]:
@@ -53,9 +58,10 @@ def tuned() -> dict[str, list[dict[str, Any]]]:
             for name, tuner in sorted(autotuners().items()) if tuner.cache}
 
 
-def seed(data: dict[str, list[dict[str, Any]]]) -> int:
+def seed(data: dict[str, list[dict[str, Any]]], keep: bool = False) -> int:
     """Put recorded choices (``tuned()``'s form) into the autotuners' caches, so those keys run
-    their recorded config without tuning; returns how many keys were seeded. A kernel this
+    their recorded config without tuning; with ``keep`` a key already in a cache keeps its
+    config. Returns how many keys were seeded. A kernel this
     build does not have, or a config that is not among a kernel's candidates now (its configs
     changed since the record, or quick tuning or the interpreter is on), is an error naming it:
     nothing is seeded then."""
@@ -82,6 +88,56 @@ def seed(data: dict[str, list[dict[str, Any]]]) -> int:
                                  f"since it was recorded, or quick tuning or the interpreter "
                                  f"is on)")
             plan.append((tuner, key, match[0]))
+    if keep:
+        plan = [(tuner, key, config) for tuner, key, config in plan if key not in tuner.cache]
     for tuner, key, config in plan:
         tuner.cache[key] = config
     return len(plan)
+
+
+# Configs measured on a GPU and shipped with the package, one file per GPU model, in the form
+# ``dejavu bench`` writes (``{"about": ..., "tuned": {kernel: [entries]}}``). The autotuner
+# times each candidate alone, one call after an L2 flush; inside a decode step, beside the
+# side stream's predictors, its choice can be far from the fastest: on an H200 the OPT-13B down
+# projection at MLP density 0.1 took 1366 us a step with the tile it chose (16 rows x 128
+# columns, no loop) and 628 us with 16 x 512 in loops of 4 (BENCHMARKS.md, nineteenth
+# session). A file holds such in-step choices for the shapes it names; other keys still tune.
+SHIPPED_DIR = Path(__file__).with_name("tuned")
+_SHIPPED: dict[str, dict[str, Any] | None] = {}  # GPU name -> {"path", "keys"}, None: no file
+
+
+def shipped_path(gpu: str) -> Path:
+    """The file of shipped configs for a GPU named ``gpu`` (``torch.cuda.get_device_name``):
+    ``NVIDIA H200`` reads ``kernels/tuned/NVIDIA_H200.json``."""
+    return SHIPPED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_") + ".json")
+
+
+def load_shipped(gpu: str) -> dict[str, list[dict[str, Any]]]:
+    """The shipped configs for ``gpu`` (``tuned()``'s form), empty when none are shipped."""
+    path = shipped_path(gpu)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("tuned"), dict):
+        raise ValueError(f"{path}: shipped kernel configs need a 'tuned' mapping of kernel to "
+                         f"entries")
+    return data["tuned"]
+
+
+def seed_shipped(gpu: str) -> int:
+    """Seed the autotuners with the configs shipped for ``gpu``, once per process and GPU
+    model; a key already chosen (tuned, or seeded by ``dejavu bench --tuned``) keeps its
+    config. Nothing under the interpreter or quick tuning, whose kernels have one config each.
+    Returns the keys seeded by this call."""
+    if gpu in _SHIPPED or INTERPRET or QUICK_TUNE:
+        return 0
+    data = load_shipped(gpu)
+    count = seed(data, keep=True) if data else 0
+    _SHIPPED[gpu] = {"path": str(shipped_path(gpu)), "keys": count} if data else None
+    return count
+
+
+def shipped() -> dict[str, dict[str, Any]]:
+    """Per GPU name with a shipped file, the file read in this process and the keys it
+    seeded."""
+    return {gpu: dict(v) for gpu, v in _SHIPPED.items() if v is not None}

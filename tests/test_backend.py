@@ -541,6 +541,42 @@ def test_multi_kernel_option_reaches_inductor():
         DejavuOptions.from_mapping({**base, "multi_kernel": 1})
 
 
+def test_shipped_configs_are_seeded_for_each_cuda_gpu_of_the_inputs(monkeypatch, tiny):
+    """Option ``shipped_configs`` (on by default): the backend seeds the shipped kernel configs
+    for the GPU model of each CUDA device its graph's inputs are on; CPU inputs seed nothing,
+    and with the option off nothing is seeded."""
+    from dejavu_compile.kernels import tuning
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    asked = []
+    monkeypatch.setattr(tuning, "seed_shipped", lambda gpu: asked.append(gpu) or 3)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU {device}")
+    with FakeTensorMode():
+        on_gpu = [torch.empty(2, device="cuda:0"), torch.empty(2, device="cuda:0"), 7]
+    dejavu_compile.backend.seed_shipped_configs(on_gpu + [torch.empty(2)])
+    assert asked == ["GPU cuda:0"]
+    asked.clear()
+    seeding = []
+    real = dejavu_compile.backend.seed_shipped_configs
+    monkeypatch.setattr(dejavu_compile.backend, "seed_shipped_configs",
+                        lambda inputs: seeding.append(len(inputs)) or real(inputs))
+    model = tiny("opt")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    base = {"selector": "oracle", "mlp_density": 0.5}
+    for shipped in (True, False):
+        compiled = torch.compile(model, backend="dejavu",
+                                 options={**base, "shipped_configs": shipped})
+        with torch.no_grad():
+            compiled(ids)
+        assert bool(seeding) == shipped
+        seeding.clear()
+        torch._dynamo.reset()
+    assert asked == []  # the inputs were on the CPU
+    assert DejavuOptions.from_mapping(base).shipped_configs is True
+    with pytest.raises(TypeError, match="shipped_configs"):
+        DejavuOptions.from_mapping({**base, "shipped_configs": "yes"})
+
+
 def test_graph_split_goes_before_the_layer_and_changes_nothing(tiny):
     """Each graph holding layer 1 gets one ``dejavu::graph_split`` on that layer's attention
     input, before every node that reads it; the logits are those without the cut (on CPU the

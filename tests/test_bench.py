@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +16,8 @@ from torch.autograd import DeviceType
 
 from dejavu_compile import bench, load_profile
 from dejavu_compile.profile import BUCKET_UNITS, default_buckets
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("bucket_units", [BUCKET_UNITS, 32, 0])
@@ -269,6 +274,69 @@ def test_markdown_says_when_configs_were_not_tuned():
     assert "42 tuning keys taken from `run1.json` instead of tuned in this run" in text
     del result["tuned_from"]
     assert "tuning keys" not in bench.markdown(result, "dejavu bench", "abc1234", "2026-12-01")
+
+
+def test_shipped_configs_are_among_the_kernels_candidates(tmp_path):
+    """Every shipped file names kernels this build autotunes and configs among their candidates
+    as a GPU run builds them (no interpreter, no quick tuning): seeding it is strict, so a
+    config dropped from a kernel's candidates fails here and not in a user's compile. Seeding
+    happens once per GPU model, and a key already chosen keeps its config."""
+    files = sorted((ROOT / "kernels" / "tuned").glob("*.json"))
+    assert files, "no shipped kernel configs"
+    code = """
+import json, sys
+from pathlib import Path
+from dejavu_compile.kernels import tuning
+assert not tuning.INTERPRET and not tuning.QUICK_TUNE
+for path in map(Path, sys.argv[1:]):
+    about, data = json.loads(path.read_text())["about"], tuning.load_shipped(path.stem)
+    assert tuning.shipped_path(about["gpu"]) == path.resolve(), (about["gpu"], path)
+    name, entries = next(iter(data.items()))
+    tuner = tuning.autotuners()[name]
+    key = tuple(entries[0]["key"])
+    other = next(c for c in tuner.configs if tuning.config_data(c) != entries[0]["config"])
+    tuner.cache[key] = other  # chosen before: kept
+    count = tuning.seed_shipped(about["gpu"])
+    assert count == sum(len(v) for v in data.values()) - 1, count
+    assert tuner.cache[key] is other
+    assert tuning.seed_shipped(about["gpu"]) == 0  # once per process
+    assert tuning.shipped()[about["gpu"]]["keys"] == count
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "DEJAVU_QUICK_TUNE")}
+    out = subprocess.run([sys.executable, "-c", code, *map(str, files)], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_shipped_configs_file_names_and_absence(monkeypatch, tmp_path):
+    """A GPU's file is named after its device name; a GPU without one seeds nothing and is not
+    listed; under the interpreter nothing is seeded; a file without ``tuned`` is refused."""
+    from dejavu_compile.kernels import tuning
+
+    assert tuning.shipped_path("NVIDIA H200").name == "NVIDIA_H200.json"
+    assert tuning.shipped_path("NVIDIA GeForce RTX 4090 (x)").name == \
+        "NVIDIA_GeForce_RTX_4090_x.json"
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
+    monkeypatch.setattr(tuning, "_SHIPPED", {})
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(tuning, "QUICK_TUNE", False)
+    assert tuning.seed_shipped("Some GPU") == 0 and tuning.shipped() == {}
+    (tmp_path / "Bad_GPU.json").write_text(json.dumps({"about": {}}))
+    with pytest.raises(ValueError, match="Bad_GPU.json.*'tuned'"):
+        tuning.seed_shipped("Bad GPU")
+    monkeypatch.setattr(tuning, "INTERPRET", True)
+    assert tuning.seed_shipped("Other GPU") == 0 and "Other GPU" not in tuning._SHIPPED
+
+
+def test_markdown_names_the_shipped_configs():
+    result = {"gpu": "NVIDIA H200", "copy_gbs": 4200.0, "kernels": [], "e2e": [],
+              "shipped": {"NVIDIA H200": {"path": "/x/kernels/tuned/NVIDIA_H200.json",
+                                          "keys": 11}}}
+    text = bench.markdown(result, "dejavu bench", "abc1234", "2026-12-02")
+    assert ("Shipped kernel configs for the NVIDIA H200: 11 tuning keys from "
+            "`kernels/tuned/NVIDIA_H200.json`") in text
 
 
 def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
