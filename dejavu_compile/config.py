@@ -142,8 +142,9 @@ class DejavuOptions:
         default Inductor loops over rows longer than 1024: OPT-13B's fused add and layer norm
         (a row of 5120) ran as such loops, 3.4-4.3 us a launch, 78 launches and 296 us of a
         captured decode step (H200, BENCHMARKS.md, seventeenth session). Costs compile time
-        (two kernels per such reduction); nothing changes on CPU. Off by default: not yet
-        measured on a GPU (bench mode ``dejavu_captured_lazy_mk_pdl``).
+        (two kernels per such reduction); nothing changes on CPU. Off by default: in the one
+        run on an H200 (bench mode ``dejavu_captured_lazy_mk_pdl``, BENCHMARKS.md, nineteenth
+        session) Inductor kept the loops, and the step was no faster (5.01 against 5.07 ms).
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
