@@ -151,8 +151,8 @@ class DejavuOptions:
         still tune, and a config already chosen in the process is kept. The autotuner times a
         kernel alone, and inside a decode step its choice can be far from the fastest: on an
         H200 the OPT-13B down projection at MLP density 0.1 took 1366 us a step with the
-        autotuner's tile against 628 us with the shipped one (BENCHMARKS.md, nineteenth
-        session). The H200 file covers the OPT-13B shape at MLP 0.1 and heads 0.5. On by
+        autotuner's tile against 564 us with the shipped one (BENCHMARKS.md, nineteenth
+        session, two calls). The H200 file covers the OPT-13B shape at MLP 0.1 and heads 0.5. On by
         default; nothing changes on CPU.
     dump_dir: a folder that receives each graph before and after every pass, as readable
         Python (``graph{N}_{step}_{pass}.py``), for debugging the passes. The environment

@@ -100,8 +100,8 @@ def seed(data: dict[str, list[dict[str, Any]]], keep: bool = False) -> int:
 # times each candidate alone, one call after an L2 flush; inside a decode step, beside the
 # side stream's predictors, its choice can be far from the fastest: on an H200 the OPT-13B down
 # projection at MLP density 0.1 took 1366 us a step with the tile it chose (16 rows x 128
-# columns, no loop) and 628 us with 16 x 512 in loops of 4 (BENCHMARKS.md, nineteenth
-# session). A file holds such in-step choices for the shapes it names; other keys still tune.
+# columns, no loop) and 564 us with 16 x 512 in loops of 4 (BENCHMARKS.md, nineteenth
+# session, two calls). A file holds such in-step choices for the shapes it names; other keys still tune.
 SHIPPED_DIR = Path(__file__).with_name("tuned")
 _SHIPPED: dict[str, dict[str, Any] | None] = {}  # GPU name -> {"path", "keys"}, None: no file
 
