@@ -33,11 +33,9 @@ demo: install
 TESTS_A := tests/test_kernels.py tests/test_ops.py tests/test_real_models.py \
 	tests/test_examples.py tests/test_lazy_kv.py
 
-# One thread each: two pytest processes whose PyTorch each ran two threads on two cores took 31
-# minutes (19 and 31 for the two) on the nineteenth session's machine, against 19 before.
 test: install
-	@OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(TESTS_A) > .pytest-a.log 2>&1 & a=$$!; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(addprefix --ignore=,$(TESTS_A)) tests; b=$$?; \
+	@$(PY) -m pytest -q -p no:cacheprovider $(TESTS_A) > .pytest-a.log 2>&1 & a=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider $(addprefix --ignore=,$(TESTS_A)) tests; b=$$?; \
 	wait $$a; a=$$?; echo "== $(TESTS_A):"; cat .pytest-a.log; rm -f .pytest-a.log; \
 	echo "pytest exit codes: $$a (first group), $$b (the rest)"; exit $$(( a || b ))
 
