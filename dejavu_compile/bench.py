@@ -976,8 +976,9 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         """The JSON as measured so far, rewritten after each result: a run stopped by a time
         limit keeps what it measured (``complete`` false)."""
         result["tuned"] = tuning.tuned()
-        if tuning.shipped():
-            result["shipped"] = tuning.shipped()
+        shipped = tuning.shipped()
+        if shipped:
+            result["shipped"] = shipped
         if out_json:
             with open(out_json, "w") as f:
                 json.dump(result, f, indent=1)

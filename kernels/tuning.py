@@ -101,9 +101,10 @@ def seed(data: dict[str, list[dict[str, Any]]], keep: bool = False) -> int:
 # side stream's predictors, its choice can be far from the fastest: on an H200 the OPT-13B down
 # projection at MLP density 0.1 took 1366 us a step with the tile it chose (16 rows x 128
 # columns, no loop) and 564 us with 16 x 512 in loops of 4 (BENCHMARKS.md, nineteenth
-# session, two calls). A file holds such in-step choices for the shapes it names; other keys still tune.
+# session, two calls). A file holds such in-step choices for the shapes it names; other keys
+# still tune.
 SHIPPED_DIR = Path(__file__).with_name("tuned")
-_SHIPPED: dict[str, dict[str, Any] | None] = {}  # GPU name -> {"path", "keys"}, None: no file
+_SHIPPED: dict[str, int | None] = {}  # GPU name -> keys seeded from its file, None: no file
 
 
 def shipped_path(gpu: str) -> Path:
@@ -133,11 +134,12 @@ def seed_shipped(gpu: str) -> int:
         return 0
     data = load_shipped(gpu)
     count = seed(data, keep=True) if data else 0
-    _SHIPPED[gpu] = {"path": str(shipped_path(gpu)), "keys": count} if data else None
+    _SHIPPED[gpu] = count if data else None
     return count
 
 
 def shipped() -> dict[str, dict[str, Any]]:
     """Per GPU name with a shipped file, the file read in this process and the keys it
     seeded."""
-    return {gpu: dict(v) for gpu, v in _SHIPPED.items() if v is not None}
+    return {gpu: {"path": str(shipped_path(gpu)), "keys": count}
+            for gpu, count in _SHIPPED.items() if count is not None}
