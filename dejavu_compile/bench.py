@@ -676,17 +676,17 @@ _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
 @contextlib.contextmanager
 def kernel_switches(mode: str):
     """The kernels' environment switches as ``mode`` needs them while the block runs:
-    ``DEJAVU_PDL`` (programmatic launch) set to 1 for the modes named ``*_pdl``,
-    ``DEJAVU_STORE_ROWS`` (the row-storing kernels) for ``dejavu_store``, each unset otherwise;
-    restored afterwards."""
+    ``DEJAVU_PDL`` (programmatic launch, on by default where it can be) 1 for the modes named
+    ``*_pdl`` and 0 for every other mode, so that each pair compares it, and
+    ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and unset
+    otherwise; restored afterwards."""
     from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
-        for name, on in ((PDL_ENV, mode.endswith("_pdl")),
-                         (STORE_ROWS_ENV, mode == "dejavu_store")):
-            os.environ.pop(name, None)
-            if on:
-                os.environ[name] = "1"
+        os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
+        os.environ.pop(STORE_ROWS_ENV, None)
+        if mode == "dejavu_store":
+            os.environ[STORE_ROWS_ENV] = "1"
         yield
 
 

@@ -116,7 +116,10 @@ def idx_stride(sel: torch.Tensor) -> int:
 # then waits for its predecessor (``wait_inputs``) before reading what that one wrote or
 # adding into its buffers, and lets its own successor start. Each sparse op launches its
 # zero-fill right before its first kernel, so that kernel's predecessor is always the fill.
-# Off unless ``DEJAVU_PDL=1`` (``dejavu bench`` mode ``dejavu_pdl`` measures it).
+# On by default where it can be (Hopper or later, compiled Triton, not deterministic mode):
+# OPT-13B's captured lazy K/V step took 4.19 and 4.20 ms with it against 4.56 and 4.29 without,
+# side by side on an H200 (BENCHMARKS.md, twentieth session). ``DEJAVU_PDL=0`` turns it off;
+# ``dejavu bench`` runs its modes named ``*_pdl`` with it and every other mode without.
 PDL_ENV = "DEJAVU_PDL"
 
 
@@ -126,11 +129,15 @@ def _hopper() -> bool:
 
 
 def programmatic() -> bool:
-    """Whether the kernels launch with programmatic dependent launch: ``DEJAVU_PDL=1`` on a
-    Hopper or later GPU, compiled Triton, and not in deterministic mode (whose kernels write
-    unzeroed slots with no fill before them)."""
-    return (os.environ.get(PDL_ENV) == "1" and _GDC and not INTERPRET and not deterministic()
-            and _hopper())
+    """Whether the kernels launch with programmatic dependent launch: on a Hopper or later
+    GPU, with compiled Triton, not in deterministic mode (whose kernels write unzeroed slots
+    with no fill before them), unless ``DEJAVU_PDL=0``. Any value of ``DEJAVU_PDL`` but unset,
+    ``0`` or ``1`` is an error."""
+    asked = os.environ.get(PDL_ENV, "1")
+    if asked not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV}={asked!r}: set it to 1 (programmatic launch, the default "
+                         f"on Hopper and later) or 0 (plain launches)")
+    return asked == "1" and _GDC and not INTERPRET and not deterministic() and _hopper()
 
 
 def pdl_meta() -> dict:

@@ -395,26 +395,25 @@ def test_pipelined_timing_rewinds_the_static_cache(monkeypatch):
 
 
 def test_kernel_switches_follow_the_mode(monkeypatch):
-    """``dejavu_pdl`` (and every mode named ``*_pdl``) and ``dejavu_store`` turn on their kernel
-    switch for their block only; every other mode runs with both off, whatever the environment
-    said; it is restored."""
+    """``dejavu_pdl`` (and every mode named ``*_pdl``) runs with programmatic launch and every
+    other mode without it (``DEJAVU_PDL`` 1 or 0, whatever the environment said), and only
+    ``dejavu_store`` with the row-storing kernels; the environment is restored."""
     from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV, stores_rows
 
     monkeypatch.setenv(PDL_ENV, "1")
     monkeypatch.delenv(STORE_ROWS_ENV, raising=False)
     assert {"dejavu_pdl", "dejavu_store"} <= set(bench.SPARSE_MODES)
     with bench.kernel_switches("dejavu_store"):
-        assert stores_rows() and PDL_ENV not in os.environ
+        assert stores_rows() and os.environ[PDL_ENV] == "0"
     for mode in ("dejavu_pdl", "dejavu_captured_lazy_pdl"):
         assert mode in bench.SPARSE_MODES
         with bench.kernel_switches(mode):
             assert os.environ[PDL_ENV] == "1" and not stores_rows()
+    monkeypatch.delenv(PDL_ENV)  # unset: the default, programmatic launch where it can be
     for mode in ("dejavu_sparse", "dejavu_captured_lazy"):
         with bench.kernel_switches(mode):
-            assert PDL_ENV not in os.environ and not stores_rows()
-    with bench.kernel_switches("dejavu_sparse"):
-        assert PDL_ENV not in os.environ and not stores_rows()
-    assert os.environ[PDL_ENV] == "1" and STORE_ROWS_ENV not in os.environ
+            assert os.environ[PDL_ENV] == "0" and not stores_rows()
+    assert PDL_ENV not in os.environ and STORE_ROWS_ENV not in os.environ
 
 
 def test_readme_describes_every_bench_mode():

@@ -510,16 +510,31 @@ def test_decode_attention_tunes_only_blocks_within_a_chunk():
     assert decode_attention._fitting(configs, {"CHUNK": 16}) == configs[:1]
 
 
-def test_programmatic_launch_is_off_unless_asked(monkeypatch):
-    """``DEJAVU_PDL`` unset, or the interpreter, or deterministic mode: plain launches (the
-    kernels' ``PDL`` meta-parameter false, no launch option)."""
+def test_programmatic_launch_is_the_default_where_it_can_be(monkeypatch):
+    """Programmatic launch is on by default on a Hopper-or-later GPU with compiled Triton; off
+    with ``DEJAVU_PDL=0``, under the interpreter, on an older GPU and in deterministic mode;
+    any other value of ``DEJAVU_PDL`` is an error naming it."""
     from dejavu_compile.kernels import triton_common as tc
 
     monkeypatch.delenv(tc.PDL_ENV, raising=False)
-    assert not tc.programmatic() and tc.pdl_meta() == {"PDL": False}
+    if tc.INTERPRET or not torch.cuda.is_available():  # this machine: plain launches
+        assert not tc.programmatic() and tc.pdl_meta() == {"PDL": False}
+    monkeypatch.setattr(tc, "INTERPRET", False)
+    monkeypatch.setattr(tc, "_GDC", True)
+    monkeypatch.setattr(tc, "_hopper", lambda: True)
+    assert tc.programmatic()
+    assert tc.pdl_meta() == {"PDL": True, "launch_pdl": True}
     monkeypatch.setenv(tc.PDL_ENV, "1")
-    if tc.INTERPRET or not torch.cuda.is_available():
-        assert not tc.programmatic()
+    assert tc.programmatic()
+    monkeypatch.setenv(tc.PDL_ENV, "0")
+    assert not tc.programmatic() and tc.pdl_meta() == {"PDL": False}
+    monkeypatch.setenv(tc.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="DEJAVU_PDL='yes'"):
+        tc.programmatic()
+    monkeypatch.setenv(tc.PDL_ENV, "1")
+    monkeypatch.setattr(tc, "_hopper", lambda: False)  # an Ampere GPU, say
+    assert not tc.programmatic()
+    monkeypatch.setattr(tc, "_hopper", lambda: True)
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
