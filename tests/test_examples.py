@@ -22,3 +22,31 @@ def test_example_imports(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
+
+
+def test_qkv_study_stacked_selection_is_the_three_projections():
+    """``examples/qkv_study.py`` times one launch over the stacked query, key and value
+    weights with the selection repeated for each: that launch gives the three separate
+    projections of the selected heads, side by side (the Triton kernel, under the
+    interpreter)."""
+    import torch
+    from dejavu_compile.kernels import heads
+
+    path = Path(__file__).parents[1] / "examples" / "qkv_study.py"
+    spec = importlib.util.spec_from_file_location("example_qkv_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    n_heads, hd, d = 4, 8, 32
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3 * n_heads * hd, d, generator=gen)
+    b = torch.randn(3 * n_heads * hd, generator=gen)
+    x = torch.randn(1, 1, d, generator=gen)
+    idx = torch.tensor([[[1, 3]]])
+    stacked = study.stacked_selection(idx, n_heads, 3)
+    assert stacked.tolist() == [[[1, 3, 5, 7, 9, 11]]]
+    got = heads.sparse_head_proj(x, stacked, w, b, hd)
+    rows = n_heads * hd
+    want = torch.cat([heads.sparse_head_proj(x, idx, w[m * rows:(m + 1) * rows],
+                                             b[m * rows:(m + 1) * rows], hd)
+                      for m in range(3)], dim=-1)
+    torch.testing.assert_close(got, want)

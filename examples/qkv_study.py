@@ -1,0 +1,92 @@
+"""Would one launch for the query, key and value rows of the selected heads read faster than
+the two launches of the decode step? On OPT-13B's attention shape (d 5120, 40 heads of 128,
+heads 0.5, a 256-position cache at position 200, every selected head's positions present), per
+layer:
+
+- ``separate``: the step as it runs with lazy K/V: ``sparse_head_proj`` for the query (its
+  zero-fill, kernel and finish) and ``lazy_kv`` for the keys and values;
+- ``qkv gemv``: ``sparse_head_proj`` once over the stacked query, key and value weights with
+  the selection repeated for each (what a fused launch would read, without the cache stores);
+- ``kv gemv`` and ``lazy kv``: the keys and values alone, as a plain gathered GEMV and through
+  ``lazy_kv``; ``q gemv``: the query alone.
+
+Each variant runs over ``--layers`` copies of the weights in turn (a CUDA graph of repeated
+calls, ``triton.testing.do_bench_cudagraph``), so the weights stream from memory as in a step
+rather than staying in L2. Prints us a layer and TB/s on the bytes of the selected rows.
+In the twentieth session's OPT-13B step every gathered projection ran at 2.0-2.4 TB/s, the
+lazy K/V kernel at 2.1 (BENCHMARKS.md). Run on a CUDA machine:
+``TRITON_INTERPRET=0 python examples/qkv_study.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+from dejavu_compile.kernels import heads, kv_state, lazy_kv
+
+D, H, HD, L, POS = 5120, 40, 128, 256, 200
+
+
+def stacked_selection(idx: torch.Tensor, heads_per_matrix: int, matrices: int) -> torch.Tensor:
+    """The head ids of ``idx`` [..., k] repeated for each of ``matrices`` weights stacked along
+    their rows, ``heads_per_matrix`` heads each: [..., matrices * k], ascending within each."""
+    return torch.cat([idx + m * heads_per_matrix for m in range(matrices)], dim=-1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--density", type=float, default=0.5)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("qkv_study needs a CUDA GPU")
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.float16
+    k = round(args.density * H)
+    idx = torch.randperm(H, device=dev)[:k].sort().values.view(1, 1, k)
+    idx_kv, idx_qkv = stacked_selection(idx, H, 2), stacked_selection(idx, H, 3)
+    x = torch.randn(1, 1, D, device=dev, dtype=dt)
+    pos = torch.tensor([POS], device=dev)
+    layers = []
+    for _ in range(args.layers):
+        w = torch.randn(3 * H * HD, D, device=dev, dtype=dt) * 0.02  # query, key, value rows
+        b = torch.randn(3 * H * HD, device=dev, dtype=dt)
+        keys = torch.randn(1, H, L, HD, device=dev, dtype=dt)
+        values = torch.randn(1, H, L, HD, device=dev, dtype=dt)
+        kv_state.lazy_state(keys, D, dt).valid.fill_(POS)  # every position present
+        q, kk, v = (w[i * H * HD:(i + 1) * H * HD] for i in range(3))
+        bq, bk, bv = (b[i * H * HD:(i + 1) * H * HD] for i in range(3))
+        layers.append(dict(w=w, b=b, q=q, k=kk, v=v, bq=bq, bk=bk, bv=bv, kv=w[H * HD:],
+                           bkv=b[H * HD:], keys=keys, values=values))
+
+    def lazy(lay):
+        lazy_kv.lazy_kv(x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"],
+                        lay["values"], pos)
+
+    variants = {
+        "separate": (3, lambda lay: (heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD),
+                                     lazy(lay))),
+        "qkv gemv": (3, lambda lay: heads.sparse_head_proj(x, idx_qkv, lay["w"], lay["b"], HD)),
+        "kv gemv": (2, lambda lay: heads.sparse_head_proj(x, idx_kv, lay["kv"], lay["bkv"], HD)),
+        "lazy kv": (2, lazy),
+        "q gemv": (1, lambda lay: heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD)),
+    }
+    row_bytes = k * HD * D * 2  # one matrix's selected rows, fp16
+    results = []
+    for name, (matrices, fn) in variants.items():
+        def step(fn=fn):
+            for lay in layers:
+                fn(lay)
+        ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
+        us = ms * 1e3 / len(layers)
+        results.append((us, name, matrices * row_bytes))
+    print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn:")
+    for us, name, nbytes in results:
+        print(f"  {name:9s} {us:6.1f} us a layer  {nbytes / 1e6:5.1f} MB  "
+              f"{nbytes / us / 1e6:5.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()
