@@ -13,8 +13,8 @@ layer:
 Each variant runs over ``--layers`` copies of the weights in turn (a CUDA graph of repeated
 calls, ``triton.testing.do_bench_cudagraph``), so the weights stream from memory as in a step
 rather than staying in L2. Prints us a layer and TB/s on the bytes of the selected rows.
-In the twentieth session's OPT-13B step every gathered projection ran at 2.0-2.4 TB/s, the
-lazy K/V kernel at 2.1 (BENCHMARKS.md). Run on a CUDA machine:
+In the twentieth session's OPT-13B step the query and output projections, the up kernel and
+the lazy K/V kernel ran at 2.0-2.4 TB/s (BENCHMARKS.md). Run on a CUDA machine:
 ``TRITON_INTERPRET=0 python examples/qkv_study.py``.
 """
 

@@ -16,11 +16,17 @@ def test_there_are_examples():
     assert {"demo.py", "quickstart.py", "host_study.py"} <= {p.name for p in EXAMPLES}
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_example_imports(path):
+def _load(path: Path):
+    """The example at ``path``, imported as a module (its ``main`` not run)."""
     spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_imports(path):
+    module = _load(path)
     assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
 
 
@@ -32,10 +38,7 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
     import torch
     from dejavu_compile.kernels import heads
 
-    path = Path(__file__).parents[1] / "examples" / "qkv_study.py"
-    spec = importlib.util.spec_from_file_location("example_qkv_study", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
     n_heads, hd, d = 4, 8, 32
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3 * n_heads * hd, d, generator=gen)
