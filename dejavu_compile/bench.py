@@ -663,6 +663,9 @@ _DEJAVU_MODES = {
     # dejavu_captured_lazy with the kernels launched programmatically, as dejavu_pdl
     "dejavu_captured_lazy_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                             "lazy_kv": True}),
+    # dejavu_captured_lazy_pdl with the query projection in the lazy K/V launch (fuse_qkv)
+    "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                           "lazy_kv": True, "fuse_qkv": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,

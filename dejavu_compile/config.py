@@ -136,6 +136,13 @@ class DejavuOptions:
         three runs of three (4.44-4.61 ms); its outputs match dense K/V's up to rounding
         (tested). Off by default for now: the kept inputs grow with the context, and the
         default has not been measured on the GPU with it on.
+    fuse_qkv: with ``lazy_kv``, a block's query projection runs in the lazy K/V op's launch
+        (``dejavu::lazy_qkv``): its programs for the selected heads' query rows sit beside
+        those for their key and value rows, which read the same input and selection, so one
+        launch replaces the query's zero-fill, kernel and finish. Applies where lazy K/V does,
+        the query, key and value projections are all biased or all not, and no batch's union
+        selection is used (``fuse_qkv_skipped`` in the report says why not). Off by default
+        until measured on a GPU.
     multi_kernel: Inductor compiles each reduction that qualifies both as a loop over the row
         and as one pass over a row held in registers (a persistent reduction), and keeps the
         faster, timed on the GPU at the first call (Inductor's ``triton.multi_kernel``). By
@@ -180,6 +187,7 @@ class DejavuOptions:
     merge_attention: bool = False
     graph_splits: tuple[int, ...] = ()
     lazy_kv: bool = False
+    fuse_qkv: bool = False
     multi_kernel: bool = False
     shipped_configs: bool = True
     dump_dir: str | None = None

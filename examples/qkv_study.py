@@ -27,6 +27,11 @@ import triton
 from dejavu_compile.kernels import heads, kv_state, lazy_kv
 
 D, H, HD, L, POS = 5120, 40, 128, 256, 200
+# tiles of the lazy kernels' tensor-core form (one position tile of 16) timed with --sweep
+SWEEP = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": c, "BLOCK_K": kk, "SPLIT": sp, "num_warps": w,
+          "num_stages": 3}
+         for c in (32, 64, 128) for kk in (64, 128) for sp in (4, 8, 16) for w in (4, 8)
+         if not (c == 32 and w == 8)]
 
 
 def stacked_selection(idx: torch.Tensor, heads_per_matrix: int, matrices: int) -> torch.Tensor:
@@ -39,6 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.5)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the lazy kernels at each tile of SWEEP")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("qkv_study needs a CUDA GPU")
@@ -65,14 +72,26 @@ def main() -> None:
         lazy_kv.lazy_kv(x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"],
                         lay["values"], pos)
 
+    def fused(lay, config=None):
+        lazy_kv.lazy_qkv(x, idx, lay["q"], lay["bq"], lay["k"], lay["bk"], lay["v"], lay["bv"],
+                         lay["keys"], lay["values"], pos, config=config)
+
     variants = {
         "separate": (3, lambda lay: (heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD),
                                      lazy(lay))),
+        "lazy qkv": (3, fused),
         "qkv gemv": (3, lambda lay: heads.sparse_head_proj(x, idx_qkv, lay["w"], lay["b"], HD)),
         "kv gemv": (2, lambda lay: heads.sparse_head_proj(x, idx_kv, lay["kv"], lay["bkv"], HD)),
         "lazy kv": (2, lazy),
         "q gemv": (1, lambda lay: heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD)),
     }
+    if args.sweep:  # the lazy kernels at each tile of SWEEP, with and without the query
+        for cfg in SWEEP:
+            name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT} w{num_warps}".format(**cfg)
+            variants[f"lazy kv {name}"] = (2, lambda lay, c=cfg: lazy_kv.lazy_kv(
+                x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"], lay["values"],
+                pos, config=c))
+            variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
     row_bytes = k * HD * D * 2  # one matrix's selected rows, fp16
     results = []
     for name, (matrices, fn) in variants.items():
@@ -84,7 +103,7 @@ def main() -> None:
         results.append((us, name, matrices * row_bytes))
     print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn:")
     for us, name, nbytes in results:
-        print(f"  {name:9s} {us:6.1f} us a layer  {nbytes / 1e6:5.1f} MB  "
+        print(f"  {name:24s} {us:6.1f} us a layer  {nbytes / 1e6:5.1f} MB  "
               f"{nbytes / us / 1e6:5.2f} TB/s")
 
 

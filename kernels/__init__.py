@@ -29,6 +29,7 @@ if __name__ != "kernels":
         kv.decode_attention.register_kernel("cuda")(decode_attention.decode_attention)
         ops.gemv.register_kernel("cuda")(dense.gemv)
         ops.lazy_kv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_kv, 9))
+        ops.lazy_qkv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_qkv, 11))
     # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
     ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9))
     ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))

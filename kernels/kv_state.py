@@ -86,22 +86,25 @@ MIN_COLUMNS = 8
 _SPLIT: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
-def split_workspace(keys: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(fp32 sums [B, 2, L, width], tile counters, column tiles a head at most) of the lazy K/V
-    kernel's split form (d over several programs), zero between calls: the programs add into
-    the sums and the last of a tile stores the cache rows and zeroes what it read. One per
-    shape, shared by the layers and caches of that shape: the kernels that use it run one
-    after another on one stream (not two lazy steps on two streams at once). Memory: twice
-    one layer's K/V cache in fp32, per shape."""
+def split_workspace(keys: torch.Tensor, width: int,
+                    mats: int = 2) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(fp32 sums [B, mats, L, width], tile counters, column tiles a head at most) of the lazy
+    K/V kernel's split form (d over several programs; ``mats`` 2 for keys and values, 3 with
+    the query of ``lazy_qkv``), zero between calls: the programs add into the sums and the last
+    of a tile stores the cache rows and zeroes what it read. One per shape, shared by the
+    layers and caches of that shape: the kernels that use it run one after another on one
+    stream (not two lazy steps on two streams at once). Memory: ``mats`` times one layer's
+    keys in fp32, per shape."""
     b, h, length, hd = keys.shape
-    key = (str(keys.device), b, h, length, hd, width)
+    key = (str(keys.device), b, h, length, hd, width, mats)
     found = _SPLIT.get(key)
     if found is not None:
         return found
     _refuse_in_capture(keys, "this cache shape")
     tiles = -(-hd // MIN_COLUMNS)
-    found = (torch.zeros(b, 2, length, width, dtype=torch.float32, device=keys.device),
-             torch.zeros(b * h * 2 * tiles * (length + 1), dtype=torch.int32, device=keys.device),
+    found = (torch.zeros(b, mats, length, width, dtype=torch.float32, device=keys.device),
+             torch.zeros(b * h * mats * tiles * (length + 1), dtype=torch.int32,
+                         device=keys.device),
              tiles)
     _SPLIT[key] = found
     return found

@@ -35,6 +35,7 @@ dense K/V in three runs of three.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -90,16 +91,17 @@ def decode_configs() -> list[triton.Config]:
 @triton.jit
 def _lazy_kv_kernel(
     x_ptr, in_ptr, idx_ptr, wk_ptr, bk_ptr, wv_ptr, bv_ptr, k_ptr, v_ptr, pos_ptr, valid_ptr,
-    cnt_ptr, ws_ptr, tile_cnt_ptr,
+    cnt_ptr, ws_ptr, tile_cnt_ptr, wq_ptr, bq_ptr, q_ptr,
     D, N, NIDS, H, HD, L, CMAX,
     stride_xb, stride_xn, stride_ib, stride_il, stride_idx, stride_wk, stride_wv,
-    stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_wq, stride_qb,
+    stride_qn,
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, MATS: tl.constexpr,
 ):
     bh, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kv = pid_z // SPLIT
+    kv = pid_z // SPLIT  # 0 keys, 1 values, 2 the query (MATS 3)
     part = pid_z % SPLIT  # this program's slice of d
     slice_d = tl.cdiv(tl.cdiv(D, SPLIT), BLOCK_K) * BLOCK_K
     d_lo = part * slice_d
@@ -115,18 +117,23 @@ def _lazy_kv_kernel(
         ids = tl.load(idx_ptr + b * stride_idx + offs_i, mask=offs_i < NIDS, other=-1)
         chosen = tl.sum((ids == h).to(tl.int32), 0)
     lo = tl.minimum(tl.load(valid_ptr + bh), s)
+    start = lo
     if kv == 0:
         cache = k_ptr + b * stride_kb + h * stride_kh
         w_ptr, b_ptr, stride_w, stride_l = wk_ptr, bk_ptr, stride_wk, stride_kl
-    else:
+    elif kv == 1:
         cache = v_ptr + b * stride_vb + h * stride_vh
         w_ptr, b_ptr, stride_w, stride_l = wv_ptr, bv_ptr, stride_wv, stride_vl
+    else:  # the query's rows [B, N, H * HD], row p - s of position p; new positions only
+        cache = q_ptr + b * stride_qb + h * HD - s * stride_qn
+        w_ptr, b_ptr, stride_w, stride_l = wq_ptr, bq_ptr, stride_wq, stride_qn
+        start = s
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < HD
     rows_w = h * HD + offs_c
     if chosen > 0:
         tile = 0
-        for p0 in range(lo, e, BLOCK_P):
+        for p0 in range(start, e, BLOCK_P):
             offs_p = p0 + tl.arange(0, BLOCK_P)
             old = offs_p < s
             new = (offs_p >= s) & (offs_p < e)
@@ -160,10 +167,10 @@ def _lazy_kv_kernel(
                                        other=0.0).to(tl.float32)[None, :]
                     tl.store(out, acc.to(cache.dtype.element_ty), mask=needed)
                 else:  # fp32 sums per position; the tile's last program stores the rows
-                    sums = ws_ptr + ((b * 2 + kv) * L + offs_p)[:, None] * (H * HD) \
+                    sums = ws_ptr + ((b * MATS + kv) * L + offs_p)[:, None] * (H * HD) \
                         + rows_w[None, :]
                     tl.atomic_add(sums, acc, mask=needed, sem="relaxed")
-                    count = tile_cnt_ptr + ((bh * 2 + kv) * CMAX + pid_c) * (L + 1) + tile
+                    count = tile_cnt_ptr + ((bh * MATS + kv) * CMAX + pid_c) * (L + 1) + tile
                     finish_last(sums, out, b_ptr + rows_w[None, :] + 0 * offs_p[:, None],
                                 needed, count, SPLIT, HAS_B, True)
             tile += 1
@@ -191,7 +198,7 @@ def _lazy_kv_kernel(
         tl.atomic_xchg(cnt_ptr + bh, 0)
 
 
-_decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD"])(_lazy_kv_kernel)
+_decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD", "MATS"])(_lazy_kv_kernel)
 
 
 def step_config(n: int, config: dict | None = None) -> dict | None:
@@ -213,29 +220,55 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = Non
     new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``-like dict) when
     given; a prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
     (``step_config``)."""
-    check_dtype("lazy_kv", x, wk, wv, keys, values)
+    _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config)
+
+
+def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos,
+             config: dict | None = None) -> torch.Tensor:
+    """CUDA implementation of ``dejavu::lazy_qkv``: ``lazy_kv`` and the query projection of
+    the selected heads in the same launch (a third matrix in the grid), which share its input
+    and selection. Returns the query [B, n, H * hd], zeros in the columns of the heads not
+    selected."""
+    batch, n, _ = x.shape
+    q = torch.empty(batch, n, wq.shape[0], device=x.device, dtype=x.dtype)
+    _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config)
+    return q
+
+
+def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config) -> None:
+    name = "lazy_kv" if q is None else "lazy_qkv"
+    check_dtype(name, x, wk, wv, keys, values, *(() if q is None else (wq,)))
     batch, n, d = x.shape
     heads, hd = keys.shape[1], keys.shape[3]
     if x.stride(2) != 1 or wk.stride(1) != 1 or wv.stride(1) != 1 \
-            or keys.stride(3) != 1 or values.stride(3) != 1:
-        raise ValueError("lazy_kv: the inputs, weights and cache need contiguous last dims")
+            or keys.stride(3) != 1 or values.stride(3) != 1 \
+            or (wq is not None and wq.stride(1) != 1):
+        raise ValueError(f"{name}: the inputs, weights and cache need contiguous last dims")
+    if wq is not None and (wq.shape != wk.shape or (bq is None) != (bk is None)):
+        raise ValueError(f"{name}: the query's weight {tuple(wq.shape)} and bias must match the "
+                         f"keys' {tuple(wk.shape)} (one K/V head per query head)")
+    mats = 2 if q is None else 3
     state = lazy_state(keys, d, x.dtype)
     every = idx is None or n > 1
     ids = x if every else id_rows(idx, batch)
 
-    sums, tile_counts, cmax = split_workspace(keys, heads * hd)
+    sums, tile_counts, cmax = split_workspace(keys, heads * hd, mats)
 
     def grid(meta):
-        return (batch * heads, triton.cdiv(hd, meta["BLOCK_C"]), 2 * meta["SPLIT"])
+        return (batch * heads, triton.cdiv(hd, meta["BLOCK_C"]), mats * meta["SPLIT"])
 
     args = (x, state.inputs, ids, wk, bk if bk is not None else wk, wv,
             bv if bv is not None else wv, keys, values, pos, state.valid, state.counts, sums,
-            tile_counts, d, n, 0 if every else ids.shape[1], heads, hd, keys.shape[2], cmax,
+            tile_counts, wk if wq is None else wq,
+            (bk if bk is not None else wk) if bq is None else bq, keys if q is None else q,
+            d, n, 0 if every else ids.shape[1], heads, hd, keys.shape[2], cmax,
             x.stride(0), x.stride(1), state.inputs.stride(0), state.inputs.stride(1),
             0 if every or ids.shape[0] == 1 else ids.stride(0), wk.stride(0), wv.stride(0),
             keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2))
-    meta = dict(ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv),
+            values.stride(0), values.stride(1), values.stride(2),
+            wk.stride(0) if wq is None else wq.stride(0), 0 if q is None else q.stride(0),
+            0 if q is None else q.stride(1))
+    meta = dict(ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv), MATS=mats,
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
     fixed = step_config(n, config)
     if fixed is None:

@@ -347,3 +347,36 @@ def lazy_kv(
 @lazy_kv.register_fake
 def _(x, idx, wk, bk, wv, bv, keys, values, pos, keep=None, slot=-1):
     return None
+
+
+@torch.library.custom_op(f"{_LIB}::lazy_qkv", mutates_args=("keys", "values"))
+def lazy_qkv(
+    x: torch.Tensor,
+    idx: torch.Tensor | None,
+    wq: torch.Tensor,
+    bq: torch.Tensor | None,
+    wk: torch.Tensor,
+    bk: torch.Tensor | None,
+    wv: torch.Tensor,
+    bv: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    slot: int = -1,
+) -> torch.Tensor:
+    """``lazy_kv`` and the query projection of the same heads in one op (option
+    ``fuse_qkv``): on CUDA one launch reads the query, key and value rows of the selected heads,
+    which share its input and selection. Returns the query [B, n, H * hd], zeros in the columns
+    of the heads it does not compute (``reference.lazy_qkv``)."""
+    from .kv_state import lazy_state
+
+    state = lazy_state(keys, x.shape[-1], x.dtype)
+    return ref.lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, state.inputs,
+                        state.valid)
+
+
+@lazy_qkv.register_fake
+def _(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, keep=None, slot=-1):
+    return x.new_empty(*x.shape[:-1], wq.shape[0])
+

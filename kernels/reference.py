@@ -365,3 +365,20 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, inputs, valid) -> None:
                                None if bias is None else bias[cols])
                 cache[b, h, rows] = out.to(cache.dtype)
             valid[b, h] = e
+
+
+def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, inputs, valid) -> torch.Tensor:
+    """``lazy_kv`` and the query projection of the heads it computes keys and values for (the
+    selected heads, or all of them in a prefill; ``selected_heads``): returns the query
+    [B, n, H * hd], zeros in the other heads' columns. wq [H * hd, d] (one K/V head per query
+    head)."""
+    if wq.shape != wk.shape:
+        raise ValueError(f"lazy_qkv: the query's weight {tuple(wq.shape)} must match the keys' "
+                         f"{tuple(wk.shape)} (one K/V head per query head)")
+    lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, inputs, valid)
+    batch, n, _ = x.shape
+    heads, hd = keys.shape[1], keys.shape[3]
+    q = F.linear(x.to(wq.dtype), wq, bq).view(batch, n, heads, hd)
+    chosen = selected_heads(idx, batch, n, heads).to(q.device)
+    return (q * chosen[:, None, :, None]).reshape(batch, n, heads * hd).to(x.dtype)
+

@@ -31,7 +31,9 @@ from .context import PassContext, fake_mode_of, fake_value, is_linear, is_op, se
 
 OPS = torch.ops.dejavu
 # the op of each block kind that first uses the selection, and where its keep/slot go
-FIRST_CONSUMER = {"mlp": ("sparse_mlp", 9), "attention": ("sparse_head_proj", 6)}
+# (``lazy_qkv`` is the attention's query projection fused with lazy K/V, option fuse_qkv)
+FIRST_CONSUMER = {"mlp": (("sparse_mlp", 9),),
+                  "attention": (("sparse_head_proj", 6), ("lazy_qkv", 11))}
 
 
 def _check_option(ctx: PassContext, layer: int, kind: str, source: str) -> None:
@@ -143,12 +145,13 @@ def _fork_join(graph: fx.Graph, node: fx.Node, x: fx.Node, slot: int, kind: str,
     set_val(ahead, fake_mode)
     node.replace_all_uses_with(ahead)
     graph.erase_node(node)
-    name, n_args = FIRST_CONSUMER[kind]
-    consumers = [u for u in ahead.users if is_op(u, name)]
+    consumers = [(u, n_args) for u in ahead.users for name, n_args in FIRST_CONSUMER[kind]
+                 if is_op(u, name)]
     if len(consumers) != 1:
-        raise RuntimeError(f"lookahead: expected one dejavu.{name} reading the predictor, found "
+        names = " or ".join(f"dejavu.{name}" for name, _ in FIRST_CONSUMER[kind])
+        raise RuntimeError(f"lookahead: expected one {names} reading the predictor, found "
                            f"{len(consumers)}")
-    consumer = consumers[0]
+    consumer, n_args = consumers[0]
     consumer.args = (*consumer.args[:n_args], x, slot)
     for user in list(ahead.users):  # lazy K/V reads the heads too: it joins as well
         if is_op(user, "lazy_kv"):

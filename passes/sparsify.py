@@ -344,7 +344,7 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
         q.node.replace_all_uses_with(q_new)
         graph.erase_node(q.node)
         if ctx.options.lazy_kv:
-            _lazy_kv(gm, ctx, block, plan, idx, fake_mode)
+            _lazy_kv(gm, ctx, block, plan, idx, q_new, fake_mode)
     with graph.inserting_before(o.node):
         wo_t = _call(graph, fake_mode, torch.ops.aten.t.default, o.weight_node)
         if plan.selector == "oracle":
@@ -379,10 +379,11 @@ def _cache_write(lin) -> tuple[fx.Node, fx.Node, fx.Node] | str:
     return write, write.args[0], write.args[2]
 
 
-def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, fake_mode) -> None:
+def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, q_new: fx.Node, fake_mode) -> None:
     """Replace the block's K/V projections and cache writes by ``dejavu::lazy_kv`` (option
     ``lazy_kv``); a block whose graph does not have the expected shape keeps them, counted in
-    ``lazy_kv_skipped[...]``."""
+    ``lazy_kv_skipped[...]``. With option ``fuse_qkv`` the query projection ``q_new`` joins
+    them in ``dejavu::lazy_qkv`` where it can (``_fuse_query``)."""
     graph = gm.graph
     found = [_cache_write(lin) for lin in (block.k, block.v)]
     why = next((f for f in found if isinstance(f, str)), None)
@@ -401,10 +402,12 @@ def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, fake_mode) -> None:
     if why is not None:
         ctx.counters.add(f"lazy_kv_skipped[{why}]")
         return
-    with graph.inserting_before(min(k_write, v_write)):  # the earlier write, in graph order
-        node = _call(graph, fake_mode, OPS.lazy_kv.default, block.k.input, idx,
-                     block.k.weight_node, block.k.bias_node, block.v.weight_node,
-                     block.v.bias_node, keys, values, pos)
+    args = (block.k.input, idx, block.k.weight_node, block.k.bias_node, block.v.weight_node,
+            block.v.bias_node, keys, values, pos)
+    node = _fuse_query(gm, ctx, block, q_new, args, fake_mode) if ctx.options.fuse_qkv else None
+    if node is None:
+        with graph.inserting_before(min(k_write, v_write)):  # the earlier write, in graph order
+            node = _call(graph, fake_mode, OPS.lazy_kv.default, *args)
     _tag(block.layer, plan, node)
     for write in (k_write, v_write):
         transpose = write.args[3]
@@ -413,6 +416,54 @@ def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, fake_mode) -> None:
         _erase_dead(graph, [transpose, view, view.args[0]])
     ctx.lazy_kv_layers.add(block.layer)
     ctx.counters.add("lazy_kv")
+
+
+def _hoist(node: fx.Node, before: fx.Node, order: dict, moved: set) -> bool:
+    """Make ``node`` come before ``before`` in the graph, moving it and the inputs it needs that
+    come later (pure ops only: the cache positions are computed from the cache's length by an
+    ``arange`` and an add after the query projection in Hugging Face's static-cache graphs);
+    False when an impure op or a placeholder would have to move. ``order``: the nodes' indices
+    before any move; ``moved``: the nodes moved so far."""
+    if node in moved or order[node] < order[before]:
+        return True
+    if node.op not in ("call_function", "call_method") or node.is_impure():
+        return False
+    if not all(_hoist(n, before, order, moved) for n in node.all_input_nodes):
+        return False
+    before.prepend(node)
+    moved.add(node)
+    return True
+
+
+def _fuse_query(gm, ctx, block, q_new: fx.Node, args: tuple, fake_mode) -> fx.Node | None:
+    """``dejavu::lazy_qkv`` in place of the query projection ``q_new`` (``sparse_head_proj``),
+    taking the lazy K/V op's arguments ``args`` too: one op whose output replaces the query's;
+    None (counted in ``fuse_qkv_skipped[...]``) when the block cannot be fused so."""
+    graph = gm.graph
+    x, idx, wk, bk, wv, bv, keys, values, pos = args
+    _, _, wq, bq, _, union = q_new.args
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    why = None
+    if union:
+        why = "a batch's union selection"  # lazy K/V selects per sequence
+    elif (bq is None) != (bk is None) or (bq is None) != (bv is None):
+        why = "the query, key and value projections do not all have biases, or all lack them"
+    elif fake_value(wq).shape != fake_value(wk).shape:
+        why = "the query and key projections differ in shape"
+    elif not all(_hoist(a, q_new, order, set()) for a in args if isinstance(a, fx.Node)):
+        why = "the cache or positions are computed after the query projection by an op that " \
+            "cannot move"
+    if why is not None:
+        ctx.counters.add(f"fuse_qkv_skipped[{why}]")
+        return None
+    with graph.inserting_before(q_new):
+        node = _call(graph, fake_mode, OPS.lazy_qkv.default, x, idx, wq, bq, wk, bk, wv, bv,
+                     keys, values, pos)
+    node.meta.update({k: v for k, v in q_new.meta.items() if k != "val"})
+    q_new.replace_all_uses_with(node)
+    graph.erase_node(q_new)
+    ctx.counters.add("fuse_qkv")
+    return node
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -5,6 +5,7 @@ on a GPU) against the reference, the pass on a tiny OPT, and the per-cache state
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 
@@ -119,6 +120,47 @@ def test_kernel_matches_the_reference(dtype, bias, batch, hd, config):
     sums, counts, _ = kv_state.split_workspace(got[0], 5 * hd)
     assert not sums.any() and not counts.any()
     assert not kv_state.lazy_state(got[0], 40, dtype).counts.any()
+
+
+def _with_query(impl, wq, bq, out):
+    """A ``_steps`` impl that runs ``lazy_qkv`` through ``impl`` with the query weights
+    ``wq``, ``bq`` and keeps each step's query in ``out``."""
+    def run(x, idx, wk, bk, wv, bv, keys, values, pos):
+        out.append(impl(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos))
+    return run
+
+
+def _ref_qkv_on_state(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos):
+    state = kv_state.lazy_state(keys, x.shape[-1], x.dtype)
+    return ref.lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, state.inputs,
+                        state.valid)
+
+
+@pytest.mark.parametrize("dtype,bias,batch,hd,config", [
+    (torch.float16, True, 1, 16, "gemv4_split2"), (torch.bfloat16, False, 2, 24, "dot_split3"),
+    (torch.float16, True, 2, 16, "gemv1"), (torch.float16, False, 1, 24, "dot")])
+def test_fused_query_matches_the_reference(dtype, bias, batch, hd, config):
+    """``lazy_qkv``: the query of the selected heads (zeros for the others) from the same
+    launch as their keys and values, which stay as ``lazy_kv`` leaves them."""
+    from dejavu_compile.kernels import lazy_kv
+
+    gen = torch.Generator().manual_seed(11)
+    wq, bq = _weights(5, hd, 40, dtype, gen, bias)[:2]
+    got_q, want_q = [], []
+    shape = dict(batch=batch, hd=hd, bias=bias, seed=3)
+    kernel = functools.partial(lazy_kv.lazy_qkv, config=_CONFIGS[config])
+    got = _steps(_with_query(kernel, wq, bq, got_q), dtype, **shape)
+    want = _steps(_with_query(_ref_qkv_on_state, wq, bq, want_q), dtype, **shape)
+    tol = dict(atol=2e-2, rtol=2e-2)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(g.float(), w.float(), **tol)
+    for g, w, idx in zip(got_q, want_q, got[4], strict=True):
+        assert g.shape == (batch, 1, 5 * hd)
+        torch.testing.assert_close(g.float(), w.float(), **tol)
+        heads = g.view(batch, 5, hd).abs().sum(-1) > 0  # nonzero exactly where selected
+        assert torch.equal(heads, ref.selected_heads(idx, batch, 1, 5).to(heads.device))
+    sums, counts, _ = kv_state.split_workspace(got[0], 5 * hd, 3)
+    assert not sums.any() and not counts.any()
 
 
 def test_deterministic_mode_runs_the_kernel_unsplit():
@@ -245,18 +287,24 @@ def test_the_pass_gives_the_logits_of_dense_kv(tiny, tmp_path):
     profile = bench.random_profile(model, 1.0, 0.5, 8, tmp_path / "p.yaml")
     ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
     runs = {}
-    for lazy in (False, True):
+    for lazy, fuse in ((False, False), (True, False), (True, True)):
         torch._dynamo.reset()
         forward = torch.compile(model.forward, backend="dejavu",
-                                options={"profile": profile, "lazy_kv": lazy})
-        runs[lazy] = _decode(model, forward, ids, 6)
+                                options={"profile": profile, "lazy_kv": lazy, "fuse_qkv": fuse})
+        runs[lazy, fuse] = _decode(model, forward, ids, 6)
+        counters = [g.counters for g in report(model).graphs][-2:]
         if lazy:
             # layer 1 only (layer 0 is dense), in each decode graph
-            assert [g.counters.get("lazy_kv") for g in report(model).graphs][-2:] == [1, 1]
-    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
-    lazy_keys = runs[True][1].layers[1].keys[0, :, 7:13]
-    assert lazy_keys.flatten(1).eq(0).all(1).any()  # some head was skipped
-    torch.testing.assert_close(runs[True][1].layers[0].keys, runs[False][1].layers[0].keys)
+            assert [c.get("lazy_kv") for c in counters] == [1, 1]
+            # with fuse_qkv its query projection joins the op (option fuse_qkv)
+            assert [c.get("fuse_qkv") for c in counters] == ([1, 1] if fuse else [None, None])
+    for fused in (False, True):
+        torch.testing.assert_close(runs[True, fused][0], runs[False, False][0], atol=1e-5,
+                                   rtol=1e-5)
+        lazy_keys = runs[True, fused][1].layers[1].keys[0, :, 7:13]
+        assert lazy_keys.flatten(1).eq(0).all(1).any()  # some head was skipped
+        torch.testing.assert_close(runs[True, fused][1].layers[0].keys,
+                                   runs[False, False][1].layers[0].keys)
 
 
 def test_blocks_it_cannot_rewrite_keep_dense_kv_and_say_why(tiny, tmp_path):
@@ -290,15 +338,22 @@ def test_with_lookahead_on_a_side_stream_it_joins_the_predictor(tiny, tmp_path, 
     profile = bench.random_profile(model, 1.0, 0.5, 8, tmp_path / "p.yaml", lookahead=True)
     ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
     logits = {}
-    for lazy in (False, True):
+    for lazy, fuse in ((False, False), (True, False), (True, True)):
         torch._dynamo.reset()
-        backend, graphs = _capture({"profile": profile, "lazy_kv": lazy})
-        logits[lazy] = _decode(model, torch.compile(model.forward, backend=backend), ids, 4)[0]
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
-    gm, ctx = graphs[-1]
-    lazy_nodes = [n for n in gm.graph.nodes if lookahead.is_op(n, "lazy_kv")]
-    assert len(lazy_nodes) == 1
-    ahead = lazy_nodes[0].args[1]
-    assert lookahead.is_op(ahead, "predict_ahead")
-    keep, slot = lazy_nodes[0].args[-2:]
-    assert keep is ctx.inputs[(0, "attention")] and slot == ahead.args[-1] >= 0
+        backend, graphs = _capture({"profile": profile, "lazy_kv": lazy, "fuse_qkv": fuse})
+        logits[lazy, fuse] = _decode(model, torch.compile(model.forward, backend=backend), ids,
+                                     4)[0]
+        if not lazy:
+            continue
+        # with fuse_qkv, the one op that reads the heads joins (option fuse_qkv)
+        gm, ctx = graphs[-1]
+        name = "lazy_qkv" if fuse else "lazy_kv"
+        lazy_nodes = [n for n in gm.graph.nodes if lookahead.is_op(n, name)]
+        assert len(lazy_nodes) == 1
+        ahead = lazy_nodes[0].args[1]
+        assert lookahead.is_op(ahead, "predict_ahead")
+        keep, slot = lazy_nodes[0].args[-2:]
+        assert keep is ctx.inputs[(0, "attention")] and slot == ahead.args[-1] >= 0
+        assert not any(lookahead.is_op(n, "sparse_head_proj") for n in gm.graph.nodes) == fuse
+        torch.testing.assert_close(logits[lazy, fuse], logits[False, False], atol=1e-5,
+                                   rtol=1e-5)
