@@ -601,7 +601,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead",
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
-         "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl")
+         "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options

@@ -55,17 +55,22 @@ from .triton_common import (
 # a decode step's configs (one new token): positions in tiles of BLOCK_P, multiplied on the tensor
 # cores (DOT, BLOCK_P at least 16) or as a broadcast product summed over d (a GEMV per position:
 # the common step has one needed position, the new one).
-# The tiles the autotuner sweeps on a GPU: the tensor-core form with d split over 8 programs,
-# 64 columns a tile. In examples/lazy_kv_study.py on an H200 (sixteenth session, BENCHMARKS.md)
-# these two were the fastest in every scenario, 22.8-24.2 us with only the new position to
-# compute and 74-80 us with 100 missing positions, against cuBLAS's dense K/V at 31.3 us. The
-# GEMV form (BLOCK_P 1) is slower with nothing missing (29.6 us) and many times slower with
-# missing positions (86.6 us with 3, 411 with 20). The autotuner times a call with few missing
-# positions, and how many a later call finds depends on the selections in between, which it
-# cannot see: given the GEMV form among its configs, it picked it for the OPT-13B decode step,
-# where it took 125 us a layer.
-DECODE_TILES = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": 64, "BLOCK_K": k, "SPLIT": 8,
-                 "num_warps": 4, "num_stages": 3} for k in (128, 64)]
+# The tiles the autotuner sweeps on a GPU: the tensor-core form. In examples/lazy_kv_study.py
+# on an H200 (sixteenth session, BENCHMARKS.md) the first two (d split over 8 programs) were
+# the fastest in every scenario, 22.8-24.2 us with only the new position to compute and 74-80
+# us with 100 missing positions, against cuBLAS's dense K/V at 31.3 us. The GEMV form (BLOCK_P
+# 1) is slower with nothing missing (29.6 us) and many times slower with missing positions
+# (86.6 us with 3, 411 with 20). The autotuner times a call with few missing positions, and
+# how many a later call finds depends on the selections in between, which it cannot see:
+# given the GEMV form among its configs, it picked it for the OPT-13B decode step, where it
+# took 125 us a layer.
+# In examples/qkv_study.py (twenty-first session, BENCHMARKS.md), d split over 4 programs ran
+# faster than over 8 in one sweep of 30 tiles: keys and values 21.2-22.9 us a layer against
+# 23.4-25.0, and with the query (MATS 3) 27.7 us against 30.3-31.4; those three tiles join.
+DECODE_TILES = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
+                 "num_warps": 4, "num_stages": 3}
+                for c, k, split in ((64, 128, 8), (64, 64, 8), (64, 128, 4), (64, 64, 4),
+                                    (128, 64, 4))]
 # the one config of quick tuning: on a GPU the first of those; under the interpreter a small
 # GEMV form, so that the CPU tests run that form too (each form also has its own kernel test)
 DECODE_FIXED = ({"BLOCK_P": 4, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "SPLIT": 2,
