@@ -347,20 +347,26 @@ def test_lazy_kv_matches_dense_kv(tmp_path):
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(4))
     profile = random_profile(model, 0.25, 0.5, 64, tmp_path / "p.yaml", lookahead=True)
-    runs = {}
+    runs, captured = {}, {}
     with _deterministic():
-        for lazy in (False, True):
+        for lazy, fuse in ((False, False), (True, False), (True, True)):
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                                options={"profile": profile, "lazy_kv": lazy})
+                                options={"profile": profile, "lazy_kv": lazy, "fuse_qkv": fuse})
             _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[lazy] = _teacher_forced_logits(model, fwd, tokens, 24)
-        captured = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens, 24)
-    counters = dejavu_compile.report(model).counters
-    assert counters.get("lazy_kv", 0) >= 5 and counters.get("lookahead[attention]", 0) > 0
-    cos = torch.nn.functional.cosine_similarity(runs[True], runs[False], dim=-1)
-    assert cos.min() > 0.999, cos
-    assert torch.equal(captured, runs[True]), _differ(captured, runs[True])
+            runs[lazy, fuse] = _teacher_forced_logits(model, fwd, tokens, 24)
+            if lazy:
+                captured[fuse] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
+                                                        tokens, 24)
+                counters = dejavu_compile.report(model).counters  # this model's graphs so far
+                assert counters.get("lazy_kv", 0) >= 5
+                assert counters.get("lookahead[attention]", 0) > 0
+                assert (counters.get("fuse_qkv", 0) >= 5) if fuse else "fuse_qkv" not in counters
+    for fuse in (False, True):  # option fuse_qkv: the query in the lazy K/V launch
+        cos = torch.nn.functional.cosine_similarity(runs[True, fuse], runs[False, False], dim=-1)
+        assert cos.min() > 0.999, (fuse, cos)
+        assert torch.equal(captured[fuse], runs[True, fuse]), _differ(captured[fuse],
+                                                                      runs[True, fuse])
 
 
 def test_programmatic_launch_in_the_captured_lazy_step():
