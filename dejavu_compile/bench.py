@@ -658,11 +658,13 @@ _DEJAVU_MODES = {
     "dejavu_captured_ahead2": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
     # dejavu_lookahead and dejavu_captured_ahead with lazy K/V: the K and V projections of the
     # selected heads only, missing positions filled in later (option lazy_kv)
-    "dejavu_lazy": (True, True, BUCKET_UNITS, {"lazy_kv": True}),
-    "dejavu_captured_lazy": (True, True, BUCKET_UNITS, {"cudagraphs": False, "lazy_kv": True}),
+    # (the query in a launch of its own: fuse_qkv off, as before it existed)
+    "dejavu_lazy": (True, True, BUCKET_UNITS, {"lazy_kv": True, "fuse_qkv": False}),
+    "dejavu_captured_lazy": (True, True, BUCKET_UNITS, {"cudagraphs": False, "lazy_kv": True,
+                                                        "fuse_qkv": False}),
     # dejavu_captured_lazy with the kernels launched programmatically, as dejavu_pdl
     "dejavu_captured_lazy_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                            "lazy_kv": True}),
+                                                            "lazy_kv": True, "fuse_qkv": False}),
     # dejavu_captured_lazy_pdl with the query projection in the lazy K/V launch (fuse_qkv)
     "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                            "lazy_kv": True, "fuse_qkv": True}),
@@ -670,6 +672,7 @@ _DEJAVU_MODES = {
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                                "lazy_kv": True,
+                                                               "fuse_qkv": False,
                                                                "multi_kernel": True}),
 }
 # the captures per key of the modes that replay through CapturedStep with more than one

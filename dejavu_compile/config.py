@@ -141,8 +141,13 @@ class DejavuOptions:
         those for their key and value rows, which read the same input and selection, so one
         launch replaces the query's zero-fill, kernel and finish. Applies where lazy K/V does,
         the query, key and value projections are all biased or all not, and no batch's union
-        selection is used (``fuse_qkv_skipped`` in the report says why not). Off by default
-        until measured on a GPU.
+        selection is used (``fuse_qkv_skipped`` in the report says why not). On by default:
+        on an H200 (twenty-first session, BENCHMARKS.md) OPT-13B's captured lazy step took
+        4.06, 3.86 and 4.09 ms with it against 4.26, 4.13 and 4.22 without, in three rounds
+        side by side (bench modes ``dejavu_captured_qkv_pdl`` and
+        ``dejavu_captured_lazy_pdl``); the lazy K/V kernel's time a step rose 930 -> 1192 us
+        while the query's kernel (447 us), zero-fill and finish went. Without ``lazy_kv`` it
+        changes nothing.
     multi_kernel: Inductor compiles each reduction that qualifies both as a loop over the row
         and as one pass over a row held in registers (a persistent reduction), and keeps the
         faster, timed on the GPU at the first call (Inductor's ``triton.multi_kernel``). By
@@ -187,7 +192,7 @@ class DejavuOptions:
     merge_attention: bool = False
     graph_splits: tuple[int, ...] = ()
     lazy_kv: bool = False
-    fuse_qkv: bool = False
+    fuse_qkv: bool = True
     multi_kernel: bool = False
     shipped_configs: bool = True
     dump_dir: str | None = None

@@ -352,7 +352,8 @@ def test_lazy_kv_matches_dense_kv(tmp_path):
         for lazy in (False, True):
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                                options={"profile": profile, "lazy_kv": lazy})
+                                options={"profile": profile, "lazy_kv": lazy,
+                                         "fuse_qkv": False})
             _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
             runs[lazy] = _teacher_forced_logits(model, fwd, tokens, 24)
         captured = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens, 24)
@@ -408,7 +409,7 @@ def test_programmatic_launch_in_the_captured_lazy_step():
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(5))
     options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-               "lazy_kv": True, "cudagraphs": False}
+               "lazy_kv": True, "fuse_qkv": False, "cudagraphs": False}
     runs = {}
     for mode in ("dejavu_captured_lazy", "dejavu_captured_lazy_pdl"):
         torch._dynamo.reset()
@@ -440,7 +441,7 @@ def test_multi_kernel_in_the_captured_lazy_step():
     tokens = torch.randint(0, 512, (1, 32 + 16), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(6))
     base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-            "lazy_kv": True, "cudagraphs": False}
+            "lazy_kv": True, "fuse_qkv": False, "cudagraphs": False}
     runs, codes = {}, {}
     for multi in (False, True):
         torch._dynamo.reset()
