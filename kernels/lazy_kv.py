@@ -24,6 +24,14 @@ counter. All programs of a tile see the same missing positions: the rows are sto
 every one of them has counted itself. Under ``torch.use_deterministic_algorithms`` a decode step
 runs unsplit (``step_config``): the atomics' order would change the bits from run to run.
 
+With the query (``lazy_qkv``, option ``fuse_qkv``; ``MATS`` 3): a third matrix in the grid,
+whose programs compute the selected heads' query columns at the new positions only (never a
+missing one) into the returned rows [B, n, H * hd], and store zeros in the other heads'
+columns; it shares the input, the selection and the split form's workspace (a third slice).
+One launch instead of the query projection's zero-fill, kernel and finish: on an H200 in the
+twenty-first session, 27.7 us a layer for OPT-13B's shape at head density 0.5 against 35.9
+for the two launches (``examples/qkv_study.py``), and the decode step 0.13-0.27 ms faster.
+
 Measured (H200, BENCHMARKS.md). In the fifteenth session the kernel had only the unsplit forms
 and was latency-bound: 34 us at best on OPT-13B's shape at head density 0.5, against 30.6 us for
 cuBLAS's dense K/V reading twice the bytes. In the sixteenth, the tensor-core form split over 8

@@ -379,4 +379,3 @@ def lazy_qkv(
 @lazy_qkv.register_fake
 def _(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, keep=None, slot=-1):
     return x.new_empty(*x.shape[:-1], wq.shape[0])
-

@@ -381,4 +381,3 @@ def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, inputs, valid) -
     q = F.linear(x.to(wq.dtype), wq, bq).view(batch, n, heads, hd)
     chosen = selected_heads(idx, batch, n, heads).to(q.device)
     return (q * chosen[:, None, :, None]).reshape(batch, n, heads * hd).to(x.dtype)
-
