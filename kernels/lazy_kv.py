@@ -236,14 +236,19 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = Non
     _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config)
 
 
-def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos,
-             config: dict | None = None) -> torch.Tensor:
+def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """CUDA implementation of ``dejavu::lazy_qkv``: ``lazy_kv`` and the query projection of
     the selected heads in the same launch (a third matrix in the grid), which share its input
     and selection. Returns the query [B, n, H * hd], zeros in the columns of the heads not
-    selected."""
+    selected: every element is written, into ``out`` when given (contiguous, x's dtype)."""
     batch, n, _ = x.shape
-    q = torch.empty(batch, n, wq.shape[0], device=x.device, dtype=x.dtype)
+    shape = (batch, n, wq.shape[0])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"lazy_qkv: out must be a contiguous {x.dtype} tensor of shape {shape}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    q = torch.empty(shape, device=x.device, dtype=x.dtype) if out is None else out
     _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config)
     return q
 
