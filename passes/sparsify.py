@@ -418,17 +418,33 @@ def _lazy_kv(gm, ctx, block, plan: BlockPlan, idx: fx.Node, q_new: fx.Node, fake
     ctx.counters.add("lazy_kv")
 
 
-def _hoist(node: fx.Node, before: fx.Node, order: dict, moved: set) -> bool:
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` may write to a tensor or have another side effect: impure by FX's
+    account, an in-place method or function (name ending in ``_``) or an op whose schema
+    mutates (FX counts every method call as pure)."""
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op != "call_function":
+        return node.op != "get_attr"
+    schema = getattr(node.target, "_schema", None)
+    return node.is_impure() or getattr(node.target, "__name__", "").endswith("_") \
+        or (schema is not None and schema.is_mutable)
+
+
+def _hoist(node: fx.Node, before: fx.Node, nodes: list, moved: set) -> bool:
     """Make ``node`` come before ``before`` in the graph, moving it and the inputs it needs that
-    come later (pure ops only: the cache positions are computed from the cache's length by an
-    ``arange`` and an add after the query projection in Hugging Face's static-cache graphs);
-    False when an impure op or a placeholder would have to move. ``order``: the nodes' indices
-    before any move; ``moved``: the nodes moved so far."""
-    if node in moved or order[node] < order[before]:
+    come later (the cache positions are computed from the cache's length by an ``arange`` and
+    an add after the query projection in Hugging Face's static-cache graphs). Only ops without
+    side effects move, and only past ops without side effects (a moved read must not pass a
+    write); False when that does not hold. ``nodes``: the graph's nodes before any move;
+    ``moved``: the nodes moved so far."""
+    at, limit = nodes.index(node), nodes.index(before)
+    if node in moved or at < limit:
         return True
-    if node.op not in ("call_function", "call_method") or node.is_impure():
+    if node.op not in ("call_function", "call_method") or _mutates(node) \
+            or any(_mutates(m) for m in nodes[limit:at]):
         return False
-    if not all(_hoist(n, before, order, moved) for n in node.all_input_nodes):
+    if not all(_hoist(n, before, nodes, moved) for n in node.all_input_nodes):
         return False
     before.prepend(node)
     moved.add(node)
@@ -442,7 +458,7 @@ def _fuse_query(gm, ctx, block, q_new: fx.Node, args: tuple, fake_mode) -> fx.No
     graph = gm.graph
     x, idx, wk, bk, wv, bv, keys, values, pos = args
     _, _, wq, bq, _, union = q_new.args
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    nodes, moved = list(graph.nodes), set()
     why = None
     if union:
         why = "a batch's union selection"  # lazy K/V selects per sequence
@@ -450,7 +466,7 @@ def _fuse_query(gm, ctx, block, q_new: fx.Node, args: tuple, fake_mode) -> fx.No
         why = "the query, key and value projections do not all have biases, or all lack them"
     elif fake_value(wq).shape != fake_value(wk).shape:
         why = "the query and key projections differ in shape"
-    elif not all(_hoist(a, q_new, order, set()) for a in args if isinstance(a, fx.Node)):
+    elif not all(_hoist(a, q_new, nodes, moved) for a in args if isinstance(a, fx.Node)):
         why = "the cache or positions are computed after the query projection by an op that " \
             "cannot move"
     if why is not None:

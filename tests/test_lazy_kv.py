@@ -359,3 +359,40 @@ def test_with_lookahead_on_a_side_stream_it_joins_the_predictor(tiny, tmp_path, 
         assert not any(lookahead.is_op(n, "sparse_head_proj") for n in gm.graph.nodes) == fuse
         torch.testing.assert_close(logits[lazy, fuse], logits[False, False], atol=1e-5,
                                    rtol=1e-5)
+
+
+def test_fusing_the_query_moves_only_pure_late_inputs():
+    """``fuse_qkv`` puts ``lazy_qkv`` where the query projection was, so inputs computed later
+    (the cache positions in Hugging Face's graphs) move before it: each once, with what they
+    read, a shared input before both of its users; never an in-place op, and never past one (a
+    read moved before a write would read the old value)."""
+    import torch.fx as fx
+    from dejavu_compile.passes.sparsify import _hoist
+
+    def graph(mutation):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        query = g.call_function(torch.neg, (x,))
+        if mutation:
+            g.call_method("add_", (x, 1))
+        shared = g.call_function(torch.add, (x, 1))
+        pos = g.call_function(torch.mul, (shared, 2))
+        other = g.call_function(torch.sub, (shared, 3))
+        g.output((query, pos, other))
+        return g, query, pos, other
+
+    g, query, pos, other = graph(mutation=False)
+    nodes, moved = list(g.nodes), set()
+    assert _hoist(pos, query, nodes, moved) and _hoist(other, query, nodes, moved)
+    g.lint()  # every node after what it reads
+    order = [n.name for n in g.nodes]
+    assert order.index("add") < order.index("mul") < order.index("neg")
+    assert order.index("sub") < order.index("neg") and len(moved) == 3
+    g, query, pos, _ = graph(mutation=True)
+    assert not _hoist(pos, query, list(g.nodes), set())  # it would pass x.add_(1)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    query = g.call_function(torch.neg, (x,))
+    late = g.call_method("mul_", (x, 2))
+    g.output((query, late))
+    assert not _hoist(late, query, list(g.nodes), set())
