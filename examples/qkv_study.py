@@ -74,9 +74,9 @@ def main() -> None:
         layers.append(dict(w=w, b=b, q=q, k=kk, v=v, bq=bq, bk=bk, bv=bv, kv=w[H * HD:],
                            bkv=b[H * HD:], keys=keys, values=values))
 
-    def lazy(lay):
+    def lazy(lay, config=None):
         lazy_kv.lazy_kv(x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"],
-                        lay["values"], pos)
+                        lay["values"], pos, config=config)
 
     def fused(lay, config=None):
         lazy_kv.lazy_qkv(x, idx, lay["q"], lay["bq"], lay["k"], lay["bk"], lay["v"], lay["bv"],
@@ -94,9 +94,7 @@ def main() -> None:
     if args.sweep:  # the lazy kernels at each tile of SWEEP, with and without the query
         for cfg in SWEEP:
             name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT} w{num_warps}".format(**cfg)
-            variants[f"lazy kv {name}"] = (2, lambda lay, c=cfg: lazy_kv.lazy_kv(
-                x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"], lay["values"],
-                pos, config=c))
+            variants[f"lazy kv {name}"] = (2, lambda lay, c=cfg: lazy(lay, c))
             variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
     row_bytes = k * HD * D * 2  # one matrix's selected rows, fp16
     results = []

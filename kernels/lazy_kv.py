@@ -255,7 +255,7 @@ def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | N
 
 def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config) -> None:
     name = "lazy_kv" if q is None else "lazy_qkv"
-    check_dtype(name, x, wk, wv, keys, values, *(() if q is None else (wq,)))
+    check_dtype(name, x, wk, wv, keys, values, wq)  # (None, without the query, is skipped)
     batch, n, d = x.shape
     heads, hd = keys.shape[1], keys.shape[3]
     if x.stride(2) != 1 or wk.stride(1) != 1 or wv.stride(1) != 1 \
