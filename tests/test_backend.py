@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -333,6 +335,55 @@ def test_decode_attention_covers_what_it_computes_alike(case):
     assert counters[-1].get("decode_attention", 0) == (1 if rewritten else 0), counters
     if case != "dropout":
         torch.testing.assert_close(got, _Attend()(q, k, v, mask, **extra), **FP32)
+
+
+class _ScaledAttend(torch.nn.Module):
+    """OPT's form of a decode step's attention: the query scaled by a constant, viewed per head
+    and transposed, then SDPA with ``scale=1.0`` (``keep`` also returns the scaled query)."""
+
+    def forward(self, x, k, v, mask, factor, keep: bool = False):
+        scaled = x * factor
+        q = scaled.view(x.shape[0], -1, k.shape[1], k.shape[3]).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                               scale=1.0)
+        return (out, scaled) if keep else out
+
+
+@pytest.mark.parametrize("case", ["float", "int", "kept", "tensor"])
+def test_decode_attention_takes_a_constant_query_scale_into_its_own(case):
+    """A query multiplied by a Python number before a rewritten SDPA (OPT's ``q_proj(x) *
+    scaling``): the multiply leaves the graph and the kernel gets the product of the scales,
+    one pointwise launch a layer less, the same result. A scaled query that something else
+    also reads, or a factor that is a tensor, stays as it is."""
+    torch.manual_seed(0)
+    b, heads, length, d = 2, 4, 9, 8
+    x = torch.randn(b, 1, heads * d)
+    k, v = torch.randn(b, heads, length, d), torch.randn(b, heads, length, d)
+    mask = (torch.rand(b, length) > 0.3)[:, None, None]
+    mask[..., 0] = True
+    factor = {"float": d ** -0.5, "int": 2, "kept": d ** -0.5,
+              "tensor": torch.tensor(d ** -0.5)}[case]
+    keep = case == "kept"
+    seen = []
+
+    def backend(gm, example_inputs):
+        out = dejavu_compile.backend.dejavu_backend(
+            gm, example_inputs, options={"selector": "oracle", "mlp_density": 0.5,
+                                         "decode_attention": "always", "inner": "eager"})
+        seen.append((dejavu_compile.backend._REPORTS[-1].counters,
+                     [n for n in gm.graph.nodes if n.op == "call_function"]))
+        return out
+
+    got = torch.compile(_ScaledAttend(), backend=backend, fullgraph=True)(x, k, v, mask, factor,
+                                                                           keep)
+    torch.testing.assert_close(got, _ScaledAttend()(x, k, v, mask, factor, keep), **FP32)
+    counters, calls = seen[-1]
+    assert counters.get("decode_attention") == 1
+    folded = case in ("float", "int")
+    assert counters.get("decode_attention_scale_folded", 0) == int(folded)
+    (attention,) = [n for n in calls if n.target is torch.ops.dejavu.decode_attention.default]
+    assert attention.args[3] == pytest.approx(factor if folded else 1.0)
+    assert any(n.target is operator.mul for n in calls) != folded
 
 
 def test_compile_leaves_room_for_the_relayout_recompiles(tiny):
