@@ -38,7 +38,7 @@ boolean or no mask shared by the heads) becomes ``dejavu::decode_attention`` (op
 its group of query heads, where SDPA reads the keys and values that Hugging Face's ``repeat_kv``
 copied once per query head. The pass takes the keys and values from before that repeat, and a
 query scaled by a constant before the call (OPT's) goes in unscaled with the constant in the
-kernel's scale: one pointwise launch a layer less (38 of OPT-13B's 577 a step). With
+kernel's scale: one pointwise launch a layer less. With
 option ``merge_attention`` it gives each call on CUDA a buffer of counters (a constant of the
 graph, zero between calls) with which the kernel merges its chunks in the same launch.
 
