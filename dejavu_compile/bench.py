@@ -124,7 +124,7 @@ def _dense_mlp(sets, gated: bool, x):
     return run
 
 
-def _mlp_sweep(name: str, cfg, densities, dtype) -> list[dict]:
+def _mlp_sweep(name: str, cfg, densities, dtype):
     """The fused sparse MLP against cuBLAS dense and PyTorch's index-then-multiply."""
     from dejavu_compile.kernels import sparse_mlp
 
@@ -132,7 +132,6 @@ def _mlp_sweep(name: str, cfg, densities, dtype) -> list[dict]:
     sets, d, n, gated = _mlp_weights(cfg, dtype)
     x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
     esize = torch.finfo(dtype).bits // 8
-    rows = []
     dense_ms = _time_layers(_dense_mlp(sets, gated, x), LAYERS)
     dense_bytes = (3 if gated else 2) * n * d * esize
     for density in densities:
@@ -152,15 +151,14 @@ def _mlp_sweep(name: str, cfg, densities, dtype) -> list[dict]:
             return h @ w2_t[sel]
 
         ours, naive_ms = _time_layers(sparse, LAYERS), _time_layers(naive, LAYERS)
-        rows.append({
+        yield {
             "model": name, "block": "mlp", "density": density, "k": k,
             "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
             "naive_ms": naive_ms[0], "dense_ms": dense_ms[0],
             "bytes": sparse_bytes, "dense_bytes": dense_bytes,
             "sparse_gbs": sparse_bytes / (ours[0] * 1e-3) / 1e9,
             "dense_gbs": dense_bytes / (dense_ms[0] * 1e-3) / 1e9,
-        })
-    return rows
+        }
 
 
 BATCH = 8  # the batch of the union-selection rows of the kernel sweep
@@ -168,7 +166,7 @@ BATCH_DENSITIES = (0.1, 0.5)
 
 
 def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
-                     densities=BATCH_DENSITIES) -> list[dict]:
+                     densities=BATCH_DENSITIES):
     """The sparse MLP for ``batch`` rows, each with its own random selection: union selection
     (one id list read for all rows) against per-row selection, and cuBLAS dense on the batch.
     Bytes: the union's rows once (union), each row's own rows (per row)."""
@@ -180,7 +178,6 @@ def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
     x = torch.randn(batch, 1, d, device="cuda", dtype=dtype)
     per_row = (3 if gated else 2) * d * (torch.finfo(dtype).bits // 8)  # bytes of one neuron
     dense_ms = _time_layers(_dense_mlp(sets, gated, x), LAYERS)
-    rows = []
     for density in densities:
         k = max(1, round(density * n))
         idx = torch.stack([torch.randperm(n, device="cuda")[:k].sort().values
@@ -193,48 +190,57 @@ def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
                 return sparse_mlp.sparse_mlp(x, idx, w1, None, w_up, w2_t, None, act, union)
 
             ours = _time_layers(sparse, LAYERS)
-            rows.append({
+            yield {
                 "model": name, "block": f"mlp batch {batch} {mode}", "density": density,
                 "k": k, "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
                 "naive_ms": float("nan"), "dense_ms": dense_ms[0],
                 "bytes": nbytes, "dense_bytes": n * per_row,
                 "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9,
                 "dense_gbs": n * per_row / (dense_ms[0] * 1e-3) / 1e9,
-            })
-    return rows
+            }
 
 
-def _attention_out_sweep(name, cfg, densities, dtype) -> list[dict]:
-    """The output projection over selected heads, against cuBLAS dense."""
+def _attention_sweep(name, cfg, densities, dtype):
+    """The head-gathered query projection (``attention_q``) and output projection
+    (``attention_out``) over selected heads, each against cuBLAS dense."""
     from dejavu_compile.kernels import heads
 
     d = cfg.hidden_size
     esize = torch.finfo(dtype).bits // 8
-    rows = []
     heads_n, hd = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    full = heads_n * hd * d * esize
+    x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
+    attn = torch.randn(1, 1, heads_n * hd, device="cuda", dtype=dtype)
+    # [H * hd, d] weights: the query's as Hugging Face stores them, the output projection's as
+    # the lower pass re-lays them out (a head's rows contiguous); cuBLAS gets the [d, H * hd]
+    # layout of the output projection's Linear
+    wq = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
+          for _ in range(LAYERS)]
     wo_t = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
             for _ in range(LAYERS)]
     wo = [w.t().contiguous() for w in wo_t]
-    attn = torch.randn(1, 1, heads_n * hd, device="cuda", dtype=dtype)
-    dense_o = _time_layers(lambda i: F.linear(attn, wo[i]), LAYERS)
+    dense = {"attention_q": _time_layers(lambda i: F.linear(x, wq[i]), LAYERS),
+             "attention_out": _time_layers(lambda i: F.linear(attn, wo[i]), LAYERS)}
     for density in densities:
         k = max(1, round(density * heads_n))
         idx = torch.randperm(heads_n, device="cuda")[:k].sort().values.view(1, 1, k)
-        ours = _time_layers(lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i], None, hd),
-                            LAYERS)
         nbytes = k * hd * d * esize
-        rows.append({
-            "model": name, "block": "attention_out", "density": density, "k": k,
-            "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
-            "naive_ms": float("nan"), "dense_ms": dense_o[0],
-            "bytes": nbytes, "dense_bytes": heads_n * hd * d * esize,
-            "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9,
-            "dense_gbs": heads_n * hd * d * esize / (dense_o[0] * 1e-3) / 1e9,
-        })
-    return rows
+        runs = {"attention_q": lambda i, idx=idx: heads.sparse_head_proj(x, idx, wq[i], None, hd),
+                "attention_out": lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i],
+                                                                          None, hd)}
+        for block, fn in runs.items():
+            ours = _time_layers(fn, LAYERS)
+            yield {
+                "model": name, "block": block, "density": density, "k": k,
+                "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
+                "naive_ms": float("nan"), "dense_ms": dense[block][0],
+                "bytes": nbytes, "dense_bytes": full,
+                "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9,
+                "dense_gbs": full / (dense[block][0] * 1e-3) / 1e9,
+            }
 
 
-def _selector_sweep(name, cfg, densities, dtype, rank: int = 128) -> list[dict]:
+def _selector_sweep(name, cfg, densities, dtype, rank: int = 128):
     """The learned selector (rank-``rank`` predictor and top-k) of the MLP and of the heads:
     the bucketed Triton selector in the "dejavu" column, the cuBLAS + ``torch.topk`` path over
     all units (one global top-k) in the "naive" column; bytes are the predictor's."""
@@ -244,7 +250,6 @@ def _selector_sweep(name, cfg, densities, dtype, rank: int = 128) -> list[dict]:
     d = cfg.hidden_size
     esize = torch.finfo(dtype).bits // 8
     x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
-    rows = []
     n_mlp = getattr(cfg, "intermediate_size", None) or cfg.ffn_dim
     for block, units in (("mlp_selector", n_mlp), ("heads_selector", cfg.num_attention_heads)):
         sets = [((torch.randn(rank, d, device="cuda") * d**-0.5).to(dtype),
@@ -262,33 +267,30 @@ def _selector_sweep(name, cfg, densities, dtype, rank: int = 128) -> list[dict]:
 
             ours = _time_layers(select, LAYERS)
             flat = _time_layers(functools.partial(select, buckets=1), LAYERS)
-            rows.append({
+            yield {
                 "model": name, "block": f"{block} ({buckets} buckets)", "density": density,
                 "k": k, "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
                 "naive_ms": flat[0], "dense_ms": float("nan"),
                 "bytes": nbytes, "dense_bytes": nbytes,
                 "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9, "dense_gbs": float("nan"),
-            })
-    return rows
+            }
 
 
 @torch.no_grad()
-def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16) -> list[dict]:
-    """Rows of the kernel table for one model shape: MLP, attention output projection, the
-    learned selectors, and the MLP of a batch with union and per-row selection."""
-    rows = _mlp_sweep(name, cfg, densities, dtype)
-    gc.collect()
-    torch.cuda.empty_cache()
-    rows += _attention_out_sweep(name, cfg, densities, dtype)
-    gc.collect()
-    torch.cuda.empty_cache()
-    rows += _selector_sweep(name, cfg, densities, dtype)
-    gc.collect()
-    torch.cuda.empty_cache()
-    rows += _mlp_batch_sweep(name, cfg, dtype)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return rows
+def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16):
+    """Rows of the kernel table for one model shape, each as soon as it is measured (a run
+    stopped by a time limit keeps them): MLP, the attention's query and output projections,
+    the learned selectors, and the MLP of a batch with union and per-row selection (at the
+    ``BATCH_DENSITIES`` among ``densities``)."""
+    batch = [x for x in BATCH_DENSITIES if x in densities]
+    sweeps = [_mlp_sweep(name, cfg, densities, dtype), _attention_sweep(name, cfg, densities, dtype),
+              _selector_sweep(name, cfg, densities, dtype)]
+    if batch:
+        sweeps.append(_mlp_batch_sweep(name, cfg, dtype, densities=batch))
+    for sweep in sweeps:  # generators: each allocates its weights when it starts
+        yield from sweep
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -965,10 +967,15 @@ def _checked(models: list[str]) -> dict:
 
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
-        kv_attention: str = KV_ATTENTION[0], tuned: str | None = None) -> dict:
+        kv_attention: str = KV_ATTENTION[0], tuned: str | None = None,
+        densities=DENSITIES) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict. ``tuned``: a
     file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
-    keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file."""
+    keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file.
+    ``densities``: the kernel sweep's, each in (0, 1]."""
+    bad = [x for x in densities if not 0.0 < x <= 1.0]
+    if kernels and (bad or not densities):
+        raise ValueError(f"kernel sweep densities must be in (0, 1], got {list(densities)}")
     configs = _checked(models)
     seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
     bw = copy_bandwidth()
@@ -995,7 +1002,7 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         save()
     for name in models:
         if kernels:
-            for row in kernel_sweep(name, configs[name]):
+            for row in kernel_sweep(name, configs[name], densities):
                 row["pct_copy"] = 100 * row["sparse_gbs"] * 1e9 / bw
                 result["kernels"].append(row)
                 print(json.dumps(row), flush=True)

@@ -452,6 +452,51 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     assert json.loads(out.read_text())["complete"] is True
 
 
+def test_a_stopped_kernel_sweep_keeps_its_rows(monkeypatch, tmp_path):
+    """The kernel sweep hands over each row as it is measured: a run stopped inside it (a
+    device call's time limit) keeps the rows measured so far. The densities asked for reach
+    every part of the sweep (the batch rows only at theirs), and one outside (0, 1] is
+    refused before anything runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(bench, "shape_configs", lambda: {"opt-13b": None})
+    asked = {}
+
+    def part(block, stop=False):
+        def sweep(name, cfg, *args, densities=None, **kwargs):
+            asked[block] = list(densities if densities is not None else args[0])
+            for density in asked[block]:
+                yield {"model": name, "block": block, "density": density, "sparse_gbs": 1e3}
+                if stop:
+                    raise KeyboardInterrupt  # the time limit, inside the attention part
+        return sweep
+
+    monkeypatch.setattr(bench, "_mlp_sweep", part("mlp"))
+    monkeypatch.setattr(bench, "_attention_sweep", part("attention_out", stop=True))
+    monkeypatch.setattr(bench, "_selector_sweep", part("mlp_selector"))
+    monkeypatch.setattr(bench, "_mlp_batch_sweep", part("mlp batch"))
+    out = tmp_path / "run.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(["opt-13b"], out_json=str(out), e2e=False, densities=(0.1, 0.8))
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False
+    assert [(r["block"], r["density"]) for r in partial["kernels"]] == [
+        ("mlp", 0.1), ("mlp", 0.8), ("attention_out", 0.1)]
+    assert partial["kernels"][0]["pct_copy"] == pytest.approx(25.0)
+
+    monkeypatch.setattr(bench, "_attention_sweep", part("attention_out"))
+    done = bench.run(["opt-13b"], e2e=False, densities=(0.1, 0.8))
+    assert done["complete"] and asked == {"mlp": [0.1, 0.8], "attention_out": [0.1, 0.8],
+                                          "mlp_selector": [0.1, 0.8], "mlp batch": [0.1]}
+    asked.clear()
+    bench.run(["opt-13b"], e2e=False, densities=(0.25,))
+    assert "mlp batch" not in asked  # none of its densities asked
+    for bad in ((0.0, 0.5), (1.5,), ()):
+        with pytest.raises(ValueError, match="densities"):
+            bench.run(["opt-13b"], e2e=False, densities=bad)
+
+
 def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
     """The HF modes run first (a dejavu compilation re-lays out the parameters in place), then
     the dejavu modes in the order given, each once: so a run can measure two modes the other
@@ -552,6 +597,23 @@ def test_isolate_builds_a_child_command_the_cli_reads(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="--isolate measures the end-to-end modes only"):
         cli.main(["bench", "--models", "opt-13b", "--isolate", "2"])
+
+
+def test_the_cli_passes_the_sweep_densities(monkeypatch):
+    """``dejavu bench --densities`` reaches the sweep; without it, the one default."""
+    from dejavu_compile import cli
+
+    seen = []
+
+    def run(models, **kwargs):
+        seen.append(kwargs["densities"])
+        return {"gpu": "fake GPU", "copy_gbs": 4000.0, "kernels": [], "e2e": [],
+                "complete": True}
+
+    monkeypatch.setattr(bench, "run", run)
+    assert cli.main(["bench", "--no-e2e", "--densities", "0.1", "0.8"]) == 0
+    assert cli.main(["bench", "--no-e2e"]) == 0
+    assert seen == [[0.1, 0.8], list(bench.DENSITIES)]
 
 
 def test_a_child_process_gives_its_code_and_output_or_times_out():
