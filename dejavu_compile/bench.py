@@ -202,7 +202,8 @@ def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
 
 def _attention_sweep(name, cfg, densities, dtype):
     """The head-gathered query projection (``attention_q``) and output projection
-    (``attention_out``) over selected heads, each against cuBLAS dense."""
+    (``attention_out``) over selected heads, each against cuBLAS dense and PyTorch's
+    index-then-multiply (the selected heads' weight rows copied out, then one matmul)."""
     from dejavu_compile.kernels import heads
 
     d = cfg.hidden_size
@@ -225,15 +226,21 @@ def _attention_sweep(name, cfg, densities, dtype):
         k = max(1, round(density * heads_n))
         idx = torch.randperm(heads_n, device="cuda")[:k].sort().values.view(1, 1, k)
         nbytes = k * hd * d * esize
-        runs = {"attention_q": lambda i, idx=idx: heads.sparse_head_proj(x, idx, wq[i], None, hd),
-                "attention_out": lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i],
-                                                                          None, hd)}
-        for block, fn in runs.items():
-            ours = _time_layers(fn, LAYERS)
+        sel = idx.view(-1)
+        runs = {"attention_q": (
+                    lambda i, idx=idx: heads.sparse_head_proj(x, idx, wq[i], None, hd),
+                    lambda i, sel=sel: x.view(1, d) @ wq[i].view(heads_n, hd, d)[sel]
+                    .reshape(-1, d).t()),
+                "attention_out": (
+                    lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i], None, hd),
+                    lambda i, sel=sel: attn.view(heads_n, hd)[sel].reshape(1, -1)
+                    @ wo_t[i].view(heads_n, hd, d)[sel].reshape(-1, d))}
+        for block, (fn, naive) in runs.items():
+            ours, naive_ms = _time_layers(fn, LAYERS), _time_layers(naive, LAYERS)
             yield {
                 "model": name, "block": block, "density": density, "k": k,
                 "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
-                "naive_ms": float("nan"), "dense_ms": dense[block][0],
+                "naive_ms": naive_ms[0], "dense_ms": dense[block][0],
                 "bytes": nbytes, "dense_bytes": full,
                 "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9,
                 "dense_gbs": full / (dense[block][0] * 1e-3) / 1e9,
