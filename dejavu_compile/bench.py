@@ -622,7 +622,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv_pdl",
-         "dejavu_captured_qkv_1p_pdl")
+         "dejavu_captured_qkv_1p_pdl", "dejavu_captured_qkv_bp_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -692,6 +692,11 @@ _DEJAVU_MODES = {
     # dejavu_captured_qkv_pdl with the sparse MLP in one launch (triton_common.ONE_PASS_ENV)
     "dejavu_captured_qkv_1p_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                               "lazy_kv": True, "fuse_qkv": True}),
+    # dejavu_captured_qkv_pdl with every lazy block's cache positions in two foreach ops
+    # (option batch_positions)
+    "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                              "lazy_kv": True, "fuse_qkv": True,
+                                                              "batch_positions": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,

@@ -148,6 +148,13 @@ class DejavuOptions:
         ``dejavu_captured_lazy_pdl``); the lazy K/V kernel's time a step rose 930 -> 1192 us
         while the query's kernel (447 us), zero-fill and finish went. Without ``lazy_kv`` it
         changes nothing.
+    batch_positions: with ``lazy_kv``, the cache positions of the rewritten blocks (Hugging
+        Face's static cache computes ``arange(n) + length`` and moves ``length`` on, one small
+        kernel a layer: 39 launches and 46 us of OPT-13B's captured step at ``cd835fd``) are
+        computed for every block at once by two foreach ops before the first lazy op, which
+        Inductor can run as one kernel each on CUDA (on CPU it still emits one a layer). The
+        values are the same (tested). Off by default: not yet measured on a GPU (bench mode
+        ``dejavu_captured_qkv_bp_pdl``). Ignored with ``graph_splits``.
     multi_kernel: Inductor compiles each reduction that qualifies both as a loop over the row
         and as one pass over a row held in registers (a persistent reduction), and keeps the
         faster, timed on the GPU at the first call (Inductor's ``triton.multi_kernel``). By
@@ -193,6 +200,7 @@ class DejavuOptions:
     graph_splits: tuple[int, ...] = ()
     lazy_kv: bool = False
     fuse_qkv: bool = True
+    batch_positions: bool = False
     multi_kernel: bool = False
     shipped_configs: bool = True
     dump_dir: str | None = None

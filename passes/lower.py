@@ -569,6 +569,70 @@ def _is_dejavu(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", None) == DEJAVU_NAMESPACE
 
 
+_LAZY_OPS = ("lazy_kv", "lazy_qkv")
+
+
+def _position_chain(node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(arange, length, its ``add_``) when ``node`` is a layer's cache positions as Hugging
+    Face's static cache computes them, ``arange(n) + length`` with ``length.add_(n)`` after,
+    the length tensor read by nothing else; else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target is operator.add and len(node.args) == 2 and not node.kwargs):
+        return None
+    arange, length = node.args
+    if not (isinstance(arange, fx.Node) and arange.op == "call_function"
+            and arange.target is torch.arange and len(arange.args) == 1
+            and isinstance(arange.args[0], int) and set(arange.kwargs) <= {"device"}
+            and len(arange.users) == 1 and isinstance(length, fx.Node)
+            and length.op == "placeholder" and len(length.users) == 2):
+        return None
+    (bump,) = [u for u in length.users if u is not node] or [None]
+    if not (bump is not None and bump.op == "call_method" and bump.target == "add_"
+            and bump.args == (length, arange.args[0]) and not bump.kwargs and not bump.users):
+        return None
+    return arange, length, bump
+
+
+def batch_positions(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+    """The lazy K/V ops' cache positions, one ``arange(n) + length`` and ``length.add_(n)``
+    per layer in Hugging Face's static cache (one small kernel a layer in the step), become two
+    foreach ops before the first of them: the positions of every layer, then every layer's
+    length moved on. Each length tensor is read by its positions only, so moving its update
+    earlier changes no value; Inductor runs a foreach op's tensors in one kernel."""
+    graph = gm.graph
+    found = {}  # positions node -> its chain, in graph order
+    for node in graph.nodes:
+        if any(is_op(node, name) for name in _LAZY_OPS):
+            for arg in node.args:
+                chain = _position_chain(arg)
+                if chain is not None and all(any(is_op(u, name) for name in _LAZY_OPS)
+                                             for u in arg.users):
+                    found.setdefault(arg, chain)
+    steps = {chain[0].args[0] for chain in found.values()}
+    if len(found) < 2 or len(steps) != 1:
+        return
+    (step,) = steps
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(found, key=order.__getitem__)
+    aranges = [chain[0] for chain in found.values()]
+    for arange in aranges:  # no inputs: they may run anywhere before their use
+        first.prepend(arange)
+    with graph.inserting_before(first):
+        lengths = [chain[1] for chain in found.values()]
+        stacked = graph.call_function(torch._foreach_add, (aranges, lengths))
+        set_val(stacked, fake_mode)
+        for i, positions in enumerate(found):
+            item = graph.call_function(operator.getitem, (stacked, i))
+            item.meta["val"] = stacked.meta["val"][i]
+            positions.replace_all_uses_with(item)
+        bumped = graph.call_function(torch._foreach_add_, (lengths, step))
+    for positions, (_, _, bump) in found.items():
+        graph.erase_node(bump)
+        graph.erase_node(positions)
+    bumped.meta["val"] = None  # in place, nothing returned
+    ctx.counters.add("positions_batched", len(found))
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
     graph = gm.graph
@@ -602,6 +666,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         decode_attention(gm, ctx, fake_mode)
     if ctx.options.workspaces:
         workspaces(gm, ctx, fake_mode)
+    if ctx.options.batch_positions and not ctx.options.graph_splits:
+        batch_positions(gm, ctx, fake_mode)  # (a cut graph keeps a layer's positions in its part)
     if ctx.options.graph_splits:
         graph_splits(gm, ctx, fake_mode)
     graph.lint()

@@ -361,6 +361,49 @@ def test_with_lookahead_on_a_side_stream_it_joins_the_predictor(tiny, tmp_path, 
                                    rtol=1e-5)
 
 
+def test_batched_positions_give_the_same_steps(tmp_path):
+    """Option ``batch_positions``: a 4-layer OPT's three lazy blocks take their cache positions
+    from one foreach op before the first of them, and their lengths move on in one more; the
+    per-layer ``arange + length`` and ``length.add_`` are gone, and the logits and the cache's
+    lengths are those of the per-layer form."""
+    import transformers as tf
+    from dejavu_compile.passes import lookahead
+
+    from .test_backend import _capture
+
+    cfg = tf.OPTConfig(vocab_size=100, hidden_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=256, ffn_dim=96,
+                       word_embed_proj_dim=64)
+    torch.manual_seed(0)
+    model = tf.OPTForCausalLM(cfg).eval()
+    profile = bench.random_profile(model, 0.5, 0.5, 8, tmp_path / "p.yaml")
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for batched in (False, True):
+        torch._dynamo.reset()
+        backend, graphs = _capture({"profile": profile, "lazy_kv": True,
+                                    "batch_positions": batched})
+        logits, cache = _decode(model, torch.compile(model.forward, backend=backend), ids, 4)
+        runs[batched] = logits, [layer.cumulative_length.item() for layer in cache.layers]
+        gm, ctx = graphs[-1]
+        nodes = list(gm.graph.nodes)
+        bumps = [n for n in nodes if n.op == "call_method" and n.target == "add_"]
+        foreach = [n.target for n in nodes if n.target in (torch._foreach_add,
+                                                           torch._foreach_add_)]
+        first_lazy = min(i for i, n in enumerate(nodes) if lookahead.is_op(n, "lazy_qkv"))
+        if batched:
+            assert ctx.counters.values["positions_batched"] == 3
+            assert foreach == [torch._foreach_add, torch._foreach_add_]
+            assert len(bumps) == 1  # layer 0's (dense K/V), which other nodes read
+            assert max(i for i, n in enumerate(nodes) if n.target in (
+                torch._foreach_add, torch._foreach_add_)) < first_lazy
+        else:
+            assert "positions_batched" not in ctx.counters.values and not foreach
+            assert len(bumps) == 4
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-6, rtol=1e-6)
+    assert runs[True][1] == runs[False][1] == [11] * 4
+
+
 def test_fusing_the_query_moves_only_pure_late_inputs():
     """``fuse_qkv`` puts ``lazy_qkv`` where the query projection was, so inputs computed later
     (the cache positions in Hugging Face's graphs) move before it: each once, with what they
