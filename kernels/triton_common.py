@@ -189,8 +189,8 @@ def one_pass_configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_N": 4, "BLOCK_D": 16 if INTERPRET else 256},
                               num_warps=1 if INTERPRET else 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w, num_stages=st)
-            for n in (4, 8, 16, 32) for d in (128, 256, 512) for w in (4, 8)
-            for st in (3, 4) if n * d // (32 * w) <= VALUES_PER_THREAD]
+            for n in (4, 8, 16) for d in (256, 512) for w in (4, 8)
+            for st in ((3, 4) if w == 4 else (3,)) if n * d // (32 * w) <= VALUES_PER_THREAD]
 
 
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
