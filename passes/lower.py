@@ -598,7 +598,9 @@ def batch_positions(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     per layer in Hugging Face's static cache (one small kernel a layer in the step), become two
     foreach ops before the first of them: the positions of every layer, then every layer's
     length moved on. Each length tensor is read by its positions only, so moving its update
-    earlier changes no value; Inductor runs a foreach op's tensors in one kernel."""
+    earlier changes no value. Inductor can run a foreach op's tensors in one kernel on CUDA;
+    its CPU code still has one a layer (option ``batch_positions``, not yet measured on a
+    GPU)."""
     graph = gm.graph
     found = {}  # positions node -> its chain, in graph order
     for node in graph.nodes:
