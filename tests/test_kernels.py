@@ -4,6 +4,7 @@ run there with TRITON_INTERPRET=0."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -40,6 +41,19 @@ def _selection(rows, n, k, seed=0):
 def _ref64(fn, *args, **kw):
     up = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     return fn(*up, **kw)
+
+
+@contextlib.contextmanager
+def _deterministic():
+    """``torch.use_deterministic_algorithms(True)`` while the block runs, then as before (warn
+    only: cuBLAS and the like would otherwise refuse without their own settings)."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _mlp_case(dtype, gated: bool, density: float, batch: int):
@@ -147,13 +161,8 @@ def test_sparse_mlp_workspace_is_left_zero(dtype, gated, density, batch, monkeyp
             got.double(), _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act, True),
             **TOL[dtype])
         assert filled == [1] and not workspace.any()
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with _deterministic():
         got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
     assert len(filled) == 1 + (batch > 1) and not workspace.any()
     with pytest.raises(ValueError, match="workspace must be"):
@@ -194,13 +203,8 @@ def test_sparse_mlp_one_pass_kernel(dtype, gated, density, batch, monkeypatch):
         torch.testing.assert_close(
             got.double(), _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act, True),
             **TOL[dtype])
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with _deterministic():
         got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
     assert len(runs) == 3
 
@@ -340,13 +344,9 @@ def test_union_selection_kernels(dtype, k, batch):
 
 @pytest.fixture
 def deterministic_mode():
-    """``torch.use_deterministic_algorithms(True)`` for one test (warn only: cuBLAS and the like
-    would otherwise refuse without their own settings)."""
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    """``torch.use_deterministic_algorithms(True)`` for one test (``_deterministic``)."""
+    with _deterministic():
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -580,13 +580,8 @@ def test_programmatic_launch_is_the_default_where_it_can_be(monkeypatch):
     monkeypatch.setattr(tc, "_hopper", lambda: False)  # an Ampere GPU, say
     assert not tc.programmatic()
     monkeypatch.setattr(tc, "_hopper", lambda: True)
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with _deterministic():
         assert not tc.programmatic()
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
