@@ -158,9 +158,7 @@ def _mlp_sweep(name: str, cfg, densities, dtype):
         naive_ms = _time_layers(naive, LAYERS)
         for block, one_pass in (("mlp", False), ("mlp one-pass", True)):
             with mock.patch.dict(os.environ):  # read when the kernels are launched (captured)
-                os.environ.pop(ONE_PASS_ENV, None)
-                if one_pass:
-                    os.environ[ONE_PASS_ENV] = "1"
+                _switch(ONE_PASS_ENV, one_pass)
                 ours = _time_layers(sparse, LAYERS)
             yield {
                 "model": name, "block": block, "density": density, "k": k,
@@ -708,6 +706,14 @@ _DEJAVU_MODES = {
 _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
 
 
+def _switch(name: str, on: bool) -> None:
+    """A kernel switch of the environment (``DEJAVU_STORE_ROWS``, ``DEJAVU_ONE_PASS_MLP``):
+    "1" when ``on``, else unset."""
+    os.environ.pop(name, None)
+    if on:
+        os.environ[name] = "1"
+
+
 @contextlib.contextmanager
 def kernel_switches(mode: str):
     """The kernels' environment switches as ``mode`` needs them while the block runs:
@@ -720,11 +726,8 @@ def kernel_switches(mode: str):
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
-        for name, on in ((STORE_ROWS_ENV, mode == "dejavu_store"),
-                         (ONE_PASS_ENV, mode == "dejavu_captured_qkv_1p_pdl")):
-            os.environ.pop(name, None)
-            if on:
-                os.environ[name] = "1"
+        _switch(STORE_ROWS_ENV, mode == "dejavu_store")
+        _switch(ONE_PASS_ENV, mode == "dejavu_captured_qkv_1p_pdl")
         yield
 
 
