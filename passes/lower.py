@@ -569,7 +569,8 @@ def _is_dejavu(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", None) == DEJAVU_NAMESPACE
 
 
-_LAZY_OPS = ("lazy_kv", "lazy_qkv")
+def _is_lazy(node) -> bool:
+    return is_op(node, "lazy_kv") or is_op(node, "lazy_qkv")
 
 
 def _position_chain(node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
@@ -604,11 +605,10 @@ def batch_positions(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     graph = gm.graph
     found = {}  # positions node -> its chain, in graph order
     for node in graph.nodes:
-        if any(is_op(node, name) for name in _LAZY_OPS):
+        if _is_lazy(node):
             for arg in node.args:
                 chain = _position_chain(arg)
-                if chain is not None and all(any(is_op(u, name) for name in _LAZY_OPS)
-                                             for u in arg.users):
+                if chain is not None and all(_is_lazy(u) for u in arg.users):
                     found.setdefault(arg, chain)
     steps = {chain[0].args[0] for chain in found.values()}
     if len(found) < 2 or len(steps) != 1:
