@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Triton kernels run on CPU through the interpreter (read when kernels are decorated, so before
@@ -16,6 +17,21 @@ import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
 VOCAB = 96
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """PyTorch's deterministic mode (warnings only: cuBLAS and the like would otherwise refuse
+    without their own settings) while the block runs, then as before: the sparse kernels keep
+    each program's partial sums apart instead of adding them with atomics in no fixed order,
+    so the same call gives the same bits every run."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _build(name: str) -> torch.nn.Module:

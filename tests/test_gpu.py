@@ -5,13 +5,13 @@ gives the results of plain launches."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import dejavu_compile
 from dejavu_compile import bench
+
+from .conftest import deterministic_algorithms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -37,20 +37,6 @@ def _teacher_forced_logits(model, forward, tokens: torch.Tensor, steps: int = ST
     return torch.cat(out)
 
 
-@contextlib.contextmanager
-def _deterministic():
-    """PyTorch's deterministic mode (warnings only) while the block runs, then as before: the
-    sparse kernels keep each program's partial sums apart instead of adding them with atomics
-    in no fixed order, so the same graph gives the same bits every run."""
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
 def _differ(a: torch.Tensor, b: torch.Tensor) -> str:
     """Where two runs' logits [steps, vocab] differ: the largest difference and the steps."""
     steps = ((a - b).abs().amax(-1) > 0).nonzero().flatten().tolist()
@@ -72,7 +58,7 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
     results = {}
     # in deterministic mode the same graph gives the same bits every run, so any difference the
     # side stream makes is a race (stale or unwritten indices)
-    with _deterministic():
+    with deterministic_algorithms():
         # The first compilation re-lays out and stacks the model's parameters in place
         # (passes/lower.py), so the run that makes it reads other layouts than every later
         # run, in the eager prefill and in its first step: it is a warm-up, not compared.
@@ -187,7 +173,7 @@ def test_graph_splits_with_lookahead_match_one_graph(tmp_path):
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(3))
     results, counters = {}, {}
-    with _deterministic():
+    with deterministic_algorithms():
         for run, splits in (("whole", ()), ("cut", (2, 4))):
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
@@ -229,7 +215,7 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits, copies
     else:
         options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5}
     fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-    with _deterministic():
+    with deterministic_algorithms():
         _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
         want = _teacher_forced_logits(model, fwd, tokens, 24)
         step = dejavu_compile.CapturedStep(fwd, copies=copies)
@@ -260,7 +246,7 @@ def test_generate_replays_the_captured_step():
                         generator=torch.Generator("cuda").manual_seed(5))
     settings = dict(max_new_tokens=24, do_sample=False, cache_implementation="static",
                     pad_token_id=0)
-    with _deterministic(), torch.no_grad():
+    with deterministic_algorithms(), torch.no_grad():
         want = dejavu_compile.compile(twin, **options).generate(ids, **settings)
         torch._dynamo.reset()  # the twin's compiled code is not offered to the other model
         dejavu_compile.compile(model, capture=True, **options)
@@ -348,7 +334,7 @@ def test_lazy_kv_matches_dense_kv(tmp_path):
                            generator=torch.Generator("cuda").manual_seed(4))
     profile = random_profile(model, 0.25, 0.5, 64, tmp_path / "p.yaml", lookahead=True)
     runs = {}
-    with _deterministic():
+    with deterministic_algorithms():
         for lazy in (False, True):
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
@@ -377,7 +363,7 @@ def test_fused_query_matches_the_lazy_step():
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(6))
     runs = {}
-    with _deterministic():
+    with deterministic_algorithms():
         for fuse in (False, True):
             torch._dynamo.reset()
             fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,

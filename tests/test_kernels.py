@@ -4,13 +4,14 @@ run there with TRITON_INTERPRET=0."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 
 import pytest
 import torch
 from dejavu_compile.kernels import reference as ref
+
+from .conftest import deterministic_algorithms
 
 heads = pytest.importorskip("dejavu_compile.kernels.heads")
 sparse_mlp = pytest.importorskip("dejavu_compile.kernels.sparse_mlp")
@@ -41,19 +42,6 @@ def _selection(rows, n, k, seed=0):
 def _ref64(fn, *args, **kw):
     up = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     return fn(*up, **kw)
-
-
-@contextlib.contextmanager
-def _deterministic():
-    """``torch.use_deterministic_algorithms(True)`` while the block runs, then as before (warn
-    only: cuBLAS and the like would otherwise refuse without their own settings)."""
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _mlp_case(dtype, gated: bool, density: float, batch: int):
@@ -161,7 +149,7 @@ def test_sparse_mlp_workspace_is_left_zero(dtype, gated, density, batch, monkeyp
             got.double(), _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act, True),
             **TOL[dtype])
         assert filled == [1] and not workspace.any()
-    with _deterministic():
+    with deterministic_algorithms():
         got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace)
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
     assert len(filled) == 1 + (batch > 1) and not workspace.any()
@@ -203,7 +191,7 @@ def test_sparse_mlp_one_pass_kernel(dtype, gated, density, batch, monkeypatch):
         torch.testing.assert_close(
             got.double(), _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act, True),
             **TOL[dtype])
-    with _deterministic():
+    with deterministic_algorithms():
         got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
     assert len(runs) == 3
@@ -345,7 +333,7 @@ def test_union_selection_kernels(dtype, k, batch):
 @pytest.fixture
 def deterministic_mode():
     """``torch.use_deterministic_algorithms(True)`` for one test (``_deterministic``)."""
-    with _deterministic():
+    with deterministic_algorithms():
         yield
 
 
@@ -386,7 +374,6 @@ def test_kernels_refuse_unsupported_dtype():
     with pytest.raises(TypeError, match="Triton kernel handles"):
         sparse_mlp.sparse_mlp(x, torch.zeros(1, 1, 2, dtype=torch.int64), torch.randn(4, 8),
                               None, None, torch.randn(4, 8), None, "relu")
-
 
 
 BUCKET_SHAPES = [
@@ -580,7 +567,7 @@ def test_programmatic_launch_is_the_default_where_it_can_be(monkeypatch):
     monkeypatch.setattr(tc, "_hopper", lambda: False)  # an Ampere GPU, say
     assert not tc.programmatic()
     monkeypatch.setattr(tc, "_hopper", lambda: True)
-    with _deterministic():
+    with deterministic_algorithms():
         assert not tc.programmatic()
 
 
