@@ -212,8 +212,9 @@ def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
 def _attention_sweep(name, cfg, densities, dtype):
     """The head-gathered query projection (``attention_q``) and output projection
     (``attention_out``) over selected heads, each against cuBLAS dense and PyTorch's
-    index-then-multiply (the selected heads' weight rows copied out, then one matmul)."""
-    from dejavu_compile.kernels import heads
+    index-then-multiply (the selected heads' weight rows copied out, then one matmul). The
+    output projection runs on a workspace kept zero, as in the decode step (no zero-fill)."""
+    from dejavu_compile.kernels import heads, ops
 
     d = cfg.hidden_size
     esize = torch.finfo(dtype).bits // 8
@@ -229,6 +230,7 @@ def _attention_sweep(name, cfg, densities, dtype):
     wo_t = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
             for _ in range(LAYERS)]
     wo = [w.t().contiguous() for w in wo_t]
+    workspace = torch.zeros(ops.workspace_numel(1, d), device="cuda")
     dense = {"attention_q": _time_layers(lambda i: F.linear(x, wq[i]), LAYERS),
              "attention_out": _time_layers(lambda i: F.linear(attn, wo[i]), LAYERS)}
     for density in densities:
@@ -241,7 +243,8 @@ def _attention_sweep(name, cfg, densities, dtype):
                     lambda i, sel=sel: x.view(1, d) @ wq[i].view(heads_n, hd, d)[sel]
                     .reshape(-1, d).t()),
                 "attention_out": (
-                    lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i], None, hd),
+                    lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i], None, hd,
+                                                             workspace=workspace),
                     lambda i, sel=sel: attn.view(heads_n, hd)[sel].reshape(1, -1)
                     @ wo_t[i].view(heads_n, hd, d)[sel].reshape(-1, d))}
         for block, (fn, naive) in runs.items():
