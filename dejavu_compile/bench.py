@@ -126,10 +126,8 @@ def _dense_mlp(sets, gated: bool, x):
 
 def _mlp_sweep(name: str, cfg, densities, dtype):
     """The sparse MLP against cuBLAS dense and PyTorch's index-then-multiply, on a workspace
-    kept zero as in the decode step: its two launches (``mlp``) and, in the same run, the one
-    launch of ``DEJAVU_ONE_PASS_MLP=1`` (``mlp one-pass``)."""
+    kept zero as in the decode step (two launches, no zero-fill)."""
     from dejavu_compile.kernels import ops, sparse_mlp
-    from dejavu_compile.kernels.triton_common import ONE_PASS_ENV
 
     act = "relu" if cfg.model_type == "opt" else "silu"
     sets, d, n, gated = _mlp_weights(cfg, dtype)
@@ -155,19 +153,15 @@ def _mlp_sweep(name: str, cfg, densities, dtype):
             h = F.silu(h) * (x.view(1, d) @ w_up[sel].t()) if gated else F.relu(h)
             return h @ w2_t[sel]
 
-        naive_ms = _time_layers(naive, LAYERS)
-        for block, one_pass in (("mlp", False), ("mlp one-pass", True)):
-            with mock.patch.dict(os.environ):  # read when the kernels are launched (captured)
-                _switch(ONE_PASS_ENV, one_pass)
-                ours = _time_layers(sparse, LAYERS)
-            yield {
-                "model": name, "block": block, "density": density, "k": k,
-                "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
-                "naive_ms": naive_ms[0], "dense_ms": dense_ms[0],
-                "bytes": sparse_bytes, "dense_bytes": dense_bytes,
-                "sparse_gbs": sparse_bytes / (ours[0] * 1e-3) / 1e9,
-                "dense_gbs": dense_bytes / (dense_ms[0] * 1e-3) / 1e9,
-            }
+        ours, naive_ms = _time_layers(sparse, LAYERS), _time_layers(naive, LAYERS)
+        yield {
+            "model": name, "block": "mlp", "density": density, "k": k,
+            "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
+            "naive_ms": naive_ms[0], "dense_ms": dense_ms[0],
+            "bytes": sparse_bytes, "dense_bytes": dense_bytes,
+            "sparse_gbs": sparse_bytes / (ours[0] * 1e-3) / 1e9,
+            "dense_gbs": dense_bytes / (dense_ms[0] * 1e-3) / 1e9,
+        }
 
 
 BATCH = 8  # the batch of the union-selection rows of the kernel sweep
@@ -623,7 +617,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv_pdl",
-         "dejavu_captured_qkv_1p_pdl", "dejavu_captured_qkv_bp_pdl")
+         "dejavu_captured_qkv_bp_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -690,9 +684,6 @@ _DEJAVU_MODES = {
     # dejavu_captured_lazy_pdl with the query projection in the lazy K/V launch (fuse_qkv)
     "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                            "lazy_kv": True, "fuse_qkv": True}),
-    # dejavu_captured_qkv_pdl with the sparse MLP in one launch (triton_common.ONE_PASS_ENV)
-    "dejavu_captured_qkv_1p_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                              "lazy_kv": True, "fuse_qkv": True}),
     # dejavu_captured_qkv_pdl with every lazy block's cache positions in two foreach ops
     # (option batch_positions)
     "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
@@ -710,8 +701,8 @@ _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
 
 
 def _switch(name: str, on: bool) -> None:
-    """A kernel switch of the environment (``DEJAVU_STORE_ROWS``, ``DEJAVU_ONE_PASS_MLP``):
-    "1" when ``on``, else unset."""
+    """A kernel switch of the environment (``DEJAVU_STORE_ROWS``): "1" when ``on``, else
+    unset."""
     os.environ.pop(name, None)
     if on:
         os.environ[name] = "1"
@@ -722,15 +713,13 @@ def kernel_switches(mode: str):
     """The kernels' environment switches as ``mode`` needs them while the block runs:
     ``DEJAVU_PDL`` (programmatic launch, on by default where it can be) 1 for the modes named
     ``*_pdl`` and 0 for every other mode, so that each pair compares it, and
-    ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
-    ``DEJAVU_ONE_PASS_MLP`` (the sparse MLP in one launch) for ``dejavu_captured_qkv_1p_pdl``,
-    each unset otherwise; restored afterwards."""
-    from dejavu_compile.kernels.triton_common import ONE_PASS_ENV, PDL_ENV, STORE_ROWS_ENV
+    ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and unset
+    otherwise; restored afterwards."""
+    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
         _switch(STORE_ROWS_ENV, mode == "dejavu_store")
-        _switch(ONE_PASS_ENV, mode == "dejavu_captured_qkv_1p_pdl")
         yield
 
 

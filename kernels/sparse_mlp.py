@@ -24,16 +24,6 @@ for its rows in a pipelined loop (the dense GEMV's design, ``kernels/dense.py``)
 pre-activations, and the programs zero the down kernel's sums and counters, so the op launches
 no zero-fill: two launches instead of three. Off by default until a GPU run measures it.
 
-With ``DEJAVU_ONE_PASS_MLP=1`` (``triton_common.one_pass_mlp``; bench mode
-``dejavu_captured_qkv_1p_pdl``, kernel sweep rows ``mlp one-pass``) a per-row selection runs
-in one launch, ``_one_pass_kernel``: each program takes a few selected neurons, sums their up
-rows over all of d in a loop, applies the activation and adds their down rows into the output
-with atomics, the last program of each output slice finishing it. No pre-activations go
-through memory, and one launch's fixed cost is paid instead of two, which is what small
-selections are made of (a launch under about 15 us on an H200 is mostly fixed cost); fewer
-programs share the work than in the two kernels (k / BLOCK_N). Off by default: not yet
-measured on a GPU.
-
 A batch's union selection (one id row that every row reads) runs the same two steps in
 ``_up_union_kernel`` and ``_down_union_kernel``: each program loads its weight tile once and
 multiplies it with a block of ``UNION_ROWS`` rows on the tensor cores, where the per-row kernels
@@ -72,8 +62,6 @@ from .triton_common import (
     idx_stride,
     ieee,
     launch,
-    one_pass_configs,
-    one_pass_mlp,
     partials,
     reduce_configs,
     reduce_slots,
@@ -323,73 +311,6 @@ def _down_union_kernel(
                 acc, mask_r[:, None] & mask_o[None, :], ATOMIC)
 
 
-# the autotuner may run a config several times on the same call: every run leaves the sums and
-# counters zero (CLEAN) and writes the whole output, so a rerun gives the same result
-@triton.autotune(configs=one_pass_configs(), key=["D", "DOUT", "K"])
-@triton.jit
-def _one_pass_kernel(
-    x_ptr, idx_ptr, w1_ptr, b1_ptr, wup_ptr, w2t_ptr, b2_ptr, sum_ptr, cnt_ptr, out_ptr,
-    D, DOUT, K,
-    stride_x, stride_idx, stride_w1, stride_wup, stride_w2n, stride_w2o, stride_sum,
-    stride_out,
-    ACT: tl.constexpr, HAS_B1: tl.constexpr, GATED: tl.constexpr, HAS_B2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-):
-    """The sparse MLP of one row in one launch: program (row, tile of ``BLOCK_N`` selected
-    neurons) sums ``x . W1[rows]`` (and ``x . W_up[rows]``) over all of d in a loop, applies
-    the activation, then walks the output in slices of ``BLOCK_D``, adding its neurons' rows of
-    ``W2_t`` times their activations into the fp32 sums with atomics; the last program to add
-    into a slice adds ``b2``, stores it in the output's dtype and leaves the sums and its
-    counter zero (``triton_common.finish_last``). No pre-activations go through memory and no
-    second launch waits for them."""
-    wait_inputs(PDL)  # x and the ids are the kernels' before
-    row, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < K
-    neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
-    valid = neurons >= 0  # -1: padding, no neuron
-    h, up = _whole_rows(x_ptr + row * stride_x, w1_ptr, wup_ptr, neurons, valid, D, stride_w1,
-                        stride_wup, GATED, BLOCK_N, BLOCK_D)
-    if HAS_B1:
-        h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
-    h = apply_act(h, ACT)
-    if GATED:
-        h = h * up
-    h = tl.where(valid, h, 0.0)
-    slices = tl.cdiv(DOUT, BLOCK_D)
-    for j in range(0, slices):
-        offs_o = j * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_o = offs_o < DOUT
-        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                     mask=valid[:, None] & mask_o[None, :], other=0.0)
-        sums = sum_ptr + row * stride_sum + offs_o
-        tl.atomic_add(sums, tl.sum(w2.to(tl.float32) * h[:, None], 0), mask=mask_o,
-                      sem="relaxed")
-        finish_last(sums, out_ptr + row * stride_out + offs_o, b2_ptr + offs_o, mask_o,
-                    cnt_ptr + row * slices + j, tl.num_programs(1), HAS_B2, True)
-
-
-def _one_pass(rows, sel, w1, b1, w_up, w2_t, b2, act: str, dtype,
-              workspace: torch.Tensor | None) -> torch.Tensor:
-    """``_one_pass_kernel`` over per-row ids: the sums and counters from ``workspace`` (zero
-    between calls, left zero) or from one zero-filled buffer; returns the [R, d_out] output."""
-    n_rows, d = rows.shape
-    k, d_out = sel.shape[1], w2_t.shape[1]
-    if workspace is None:
-        _, sums, cnt, out = fused_targets(n_rows, d_out, 0, dtype, rows.device)
-    else:
-        _, sums, cnt, out, _ = workspace_targets(workspace, n_rows, d_out, 0, 0, dtype)
-    gated = w_up is not None
-    launch(_one_pass_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"])),
-           rows, sel, w1, b1 if b1 is not None else w1, w_up if gated else w1, w2_t,
-           b2 if b2 is not None else w2_t, sums, cnt, out,
-           d, d_out, k,
-           rows.stride(0), idx_stride(sel), w1.stride(0), (w_up if gated else w1).stride(0),
-           w2_t.stride(0), w2_t.stride(1), sums.stride(0), out.stride(0),
-           ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, HAS_B2=b2 is not None)
-    return out
-
-
 def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, device, dtype,
              zero_pre: bool = False, union: bool = False, workspace: torch.Tensor | None = None):
     """fp32 targets of the partial sums (``triton_common.partials``), pre-activations
@@ -491,9 +412,6 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
     n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
-    if one_pass_mlp() and fuses_finish(det, union_ids):
-        out = _one_pass(rows, sel, w1, b1, w_up, w2_t, b2, act, x.dtype, workspace)
-        return out.reshape(*x.shape[:-1], d_out)
     if stores_rows() and fuses_finish(det, union_ids):
         # no fill: the up kernel stores the pre-activations and zeroes the sums and counters
         n_pre = 2 if gated else 1

@@ -168,31 +168,6 @@ def stores_rows() -> bool:
     return os.environ.get(STORE_ROWS_ENV) == "1"
 
 
-# The sparse MLP in one launch (``sparse_mlp._one_pass_kernel``): each program computes its
-# selected neurons' activations over all of d, then adds their down rows into the output. Off
-# unless ``DEJAVU_ONE_PASS_MLP=1`` until an H200 run says it is faster: the kernel sweep's
-# ``mlp one-pass`` rows and ``dejavu bench`` mode ``dejavu_captured_qkv_1p_pdl`` measure it.
-ONE_PASS_ENV = "DEJAVU_ONE_PASS_MLP"
-
-
-def one_pass_mlp() -> bool:
-    """Whether a sparse MLP with per-row ids runs in one launch (``ONE_PASS_ENV``)."""
-    return os.environ.get(ONE_PASS_ENV) == "1"
-
-
-def one_pass_configs() -> list[triton.Config]:
-    """Configs of the one-launch sparse MLP: selected neurons per program, the slice of d (and
-    of the output) per loop step, warps and pipeline depth, at most ``VALUES_PER_THREAD``
-    accumulator values a thread. Few neurons a program, so a small selection still gives
-    many programs."""
-    if INTERPRET or QUICK_TUNE:
-        return [triton.Config({"BLOCK_N": 4, "BLOCK_D": 16 if INTERPRET else 256},
-                              num_warps=1 if INTERPRET else 4)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_D": d}, num_warps=w, num_stages=st)
-            for n in (4, 8, 16) for d in (256, 512) for w in (4, 8)
-            for st in ((3, 4) if w == 4 else (3,)) if n * d // (32 * w) <= VALUES_PER_THREAD]
-
-
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
     """Launch the autotuned ``kernel`` over ``grid`` (a function of the meta-parameters), or,
     with ``fixed``, the kernel under it with that config (no autotuning); ``PDL`` as

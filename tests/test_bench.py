@@ -396,37 +396,26 @@ def test_pipelined_timing_rewinds_the_static_cache(monkeypatch):
 
 def test_kernel_switches_follow_the_mode(monkeypatch):
     """``dejavu_pdl`` (and every mode named ``*_pdl``) runs with programmatic launch and every
-    other mode without it (``DEJAVU_PDL`` 1 or 0, whatever the environment said), only
-    ``dejavu_store`` with the row-storing kernels and only ``dejavu_captured_qkv_1p_pdl``
-    with the one-launch sparse MLP; the environment is restored."""
-    from dejavu_compile.kernels.triton_common import (
-        ONE_PASS_ENV,
-        PDL_ENV,
-        STORE_ROWS_ENV,
-        one_pass_mlp,
-        stores_rows,
-    )
+    other mode without it (``DEJAVU_PDL`` 1 or 0, whatever the environment said), and only
+    ``dejavu_store`` with the row-storing kernels; the environment is restored."""
+    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV, stores_rows
 
     monkeypatch.setenv(PDL_ENV, "1")
-    monkeypatch.delenv(STORE_ROWS_ENV, raising=False)
-    monkeypatch.setenv(ONE_PASS_ENV, "1")  # set outside: each mode still says its own
-    assert {"dejavu_pdl", "dejavu_store", "dejavu_captured_qkv_1p_pdl"} <= set(bench.SPARSE_MODES)
+    monkeypatch.setenv(STORE_ROWS_ENV, "1")  # set outside: each mode still says its own
+    assert {"dejavu_pdl", "dejavu_store"} <= set(bench.SPARSE_MODES)
     with bench.kernel_switches("dejavu_store"):
-        assert stores_rows() and os.environ[PDL_ENV] == "0" and not one_pass_mlp()
-    with bench.kernel_switches("dejavu_captured_qkv_1p_pdl"):
-        assert one_pass_mlp() and os.environ[PDL_ENV] == "1" and not stores_rows()
+        assert stores_rows() and os.environ[PDL_ENV] == "0"
     for mode in ("dejavu_pdl", "dejavu_captured_lazy_pdl", "dejavu_captured_qkv_pdl"):
         assert mode in bench.SPARSE_MODES
         with bench.kernel_switches(mode):
-            assert os.environ[PDL_ENV] == "1" and not stores_rows() and not one_pass_mlp()
-    assert os.environ[ONE_PASS_ENV] == "1"
-    monkeypatch.delenv(ONE_PASS_ENV)
+            assert os.environ[PDL_ENV] == "1" and not stores_rows()
+    assert os.environ[STORE_ROWS_ENV] == "1"
+    monkeypatch.delenv(STORE_ROWS_ENV)
     monkeypatch.delenv(PDL_ENV)  # unset: the default, programmatic launch where it can be
     for mode in ("dejavu_sparse", "dejavu_captured_lazy"):
         with bench.kernel_switches(mode):
             assert os.environ[PDL_ENV] == "0" and not stores_rows()
     assert PDL_ENV not in os.environ and STORE_ROWS_ENV not in os.environ
-    assert ONE_PASS_ENV not in os.environ
 
 
 def test_readme_describes_every_bench_mode():

@@ -158,46 +158,6 @@ def test_sparse_mlp_workspace_is_left_zero(dtype, gated, density, batch, monkeyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gated", [False, True])
-# one neuron, a few, all; batches of 1 and 3 (the suite's time: not every pairing)
-@pytest.mark.parametrize("density,batch", [(1 / 45, 3), (0.3, 1), (1.0, 3)])
-def test_sparse_mlp_one_pass_kernel(dtype, gated, density, batch, monkeypatch):
-    """With ``DEJAVU_ONE_PASS_MLP=1`` a per-row selection runs in one launch
-    (``_one_pass_kernel``) and equals the reference, on its own zero-filled buffer and on a
-    workspace two calls in a row (other ids and inputs in the second), which it leaves zero;
-    a batch's union selection and deterministic mode keep the two kernels."""
-    from dejavu_compile.kernels import ops, triton_common
-
-    monkeypatch.setenv(triton_common.ONE_PASS_ENV, "1")
-    runs, real = [], sparse_mlp._one_pass
-    monkeypatch.setattr(sparse_mlp, "_one_pass", lambda *a: runs.append(1) or real(*a))
-    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, gated, density, batch)
-    act = {False: "gelu", True: "silu"}[gated]
-    k, d_out = idx.shape[-1], w2_t.shape[1]
-    workspace = torch.zeros(ops.workspace_numel(batch, d_out, k, gated), device=DEVICE)
-    for call in range(3):
-        if call == 2:  # another token: other inputs, other neurons
-            x = _rand(batch, 1, x.shape[-1], dtype=dtype, seed=9)
-            idx = torch.flip(idx, [-1]) if k > 1 else (idx + 1) % w1.shape[0]
-        want = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
-        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act,
-                                    workspace=workspace if call else None)
-        assert got.dtype == dtype and got.shape == want.shape
-        torch.testing.assert_close(got.double(), want, **TOL[dtype])
-        assert not workspace.any(), workspace.nonzero().flatten()[:8]
-    assert len(runs) == 3
-    if batch > 1:
-        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union=True)
-        torch.testing.assert_close(
-            got.double(), _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act, True),
-            **TOL[dtype])
-    with deterministic_algorithms():
-        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act)
-    torch.testing.assert_close(got.double(), want, **TOL[dtype])
-    assert len(runs) == 3
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
 @pytest.mark.parametrize("batch", [1, 3])
