@@ -22,7 +22,8 @@ With ``DEJAVU_STORE_ROWS=1`` (``triton_common.stores_rows``; bench mode ``dejavu
 per-row selection runs ``_up_store_kernel`` instead of step 1: each program covers all of d
 for its rows in a pipelined loop (the dense GEMV's design, ``kernels/dense.py``) and stores its
 pre-activations, and the programs zero the down kernel's sums and counters, so the op launches
-no zero-fill: two launches instead of three. Off by default until a GPU run measures it.
+no zero-fill: two launches instead of three. Off by default: on an H200 it ran slower than
+``_up_kernel`` (README, "Kernels"), whose op launches no zero-fill either on a workspace.
 
 A batch's union selection (one id row that every row reads) runs the same two steps in
 ``_up_union_kernel`` and ``_down_union_kernel``: each program loads its weight tile once and
