@@ -14,6 +14,7 @@ tensors' dtypes).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import pkgutil
@@ -50,10 +51,16 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
 
 
+def plain_key(key: tuple) -> list:
+    """A tuning key as plain data (dtypes as their names), as ``tuned()`` and the shipped
+    files write it."""
+    return [_plain(k) for k in key]
+
+
 def tuned() -> dict[str, list[dict[str, Any]]]:
     """The config each autotuned kernel chose so far, per tuning key (kernels that have not
     tuned are left out: one with a single config, as under the interpreter, never tunes)."""
-    return {name: [{"key": [_plain(k) for k in key], "config": config_data(config)}
+    return {name: [{"key": plain_key(key), "config": config_data(config)}
                    for key, config in tuner.cache.items()]
             for name, tuner in sorted(autotuners().items()) if tuner.cache}
 
@@ -93,6 +100,27 @@ def seed(data: dict[str, list[dict[str, Any]]], keep: bool = False) -> int:
     for tuner, key, config in plan:
         tuner.cache[key] = config
     return len(plan)
+
+
+@contextlib.contextmanager
+def pinned(name: str, config: triton.Config):
+    """Kernel ``name`` (``module.function``) runs ``config`` for every key while the block runs:
+    its candidates are cut to that one, so it neither tunes nor reads its earlier choices. Its
+    candidates and choices are back afterwards (choices made inside are dropped). For timing
+    each candidate in the setting that matters, as ``examples/tile_study.py`` does."""
+    tuners = autotuners()
+    if name not in tuners:
+        raise ValueError(f"no autotuned kernel {name!r}; known: {sorted(tuners)}")
+    tuner = tuners[name]
+    configs, cache = tuner.configs, dict(tuner.cache)
+    tuner.configs = [config]
+    tuner.cache.clear()
+    try:
+        yield tuner
+    finally:
+        tuner.configs = configs
+        tuner.cache.clear()
+        tuner.cache.update(cache)
 
 
 # Configs measured on a GPU and shipped with the package, one file per GPU model, in the form

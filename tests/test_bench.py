@@ -243,6 +243,34 @@ def test_tuned_configs_round_trip_through_json(monkeypatch, tmp_path):
     assert split.cache == {key: split.configs[-1]}
 
 
+def test_a_pinned_config_runs_and_the_tuner_is_restored(monkeypatch):
+    """``tuning.pinned`` makes a kernel run the given config (here the output projection's,
+    a tile other than its own, under the interpreter: the result still matches the reference)
+    and gives the kernel back its candidates and earlier choices; an unknown kernel is an
+    error naming it."""
+    import triton
+    from dejavu_compile.kernels import heads, tuning
+    from dejavu_compile.kernels import reference as ref
+
+    tuner = heads._head_out_kernel
+    own, earlier = list(tuner.configs), {("k",): tuner.configs[0]}
+    monkeypatch.setattr(tuner, "cache", dict(earlier))
+    other = triton.Config({"BLOCK_N": 8, "BLOCK_D": 16, "TILES": 3}, num_warps=1)
+    assert all(tuning.config_data(c) != tuning.config_data(other) for c in own)
+    gen = torch.Generator().manual_seed(3)
+    attn, wo_t = torch.randn(1, 1, 5 * 4, generator=gen), torch.randn(5 * 4, 11, generator=gen)
+    idx = torch.tensor([[[0, 2, 3]]])
+    with tuning.pinned("heads._head_out_kernel", other) as pinned:
+        assert pinned is tuner and tuner.configs == [other] and not tuner.cache
+        got = heads.sparse_head_out(attn, idx, wo_t, None, 4)
+        assert tuner.best_config is other
+    torch.testing.assert_close(got, ref.sparse_head_out(attn, idx, wo_t, None, 4))
+    assert tuner.configs == own and tuner.cache == earlier
+    with pytest.raises(ValueError, match="no autotuned kernel 'heads._nope'"):
+        with tuning.pinned("heads._nope", other):
+            pass
+
+
 def test_tuned_configs_that_do_not_fit_are_refused(monkeypatch, tmp_path):
     """A kernel this build does not autotune, a config outside a kernel's candidates or an
     entry without its fields is an error naming it, and nothing is seeded; a bench JSON

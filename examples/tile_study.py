@@ -1,0 +1,132 @@
+"""Every candidate tile of one gathered kernel, timed as the kernel sweep times it.
+
+The autotuner times each candidate alone, one call after an L2 flush; ``dejavu bench``'s kernel
+sweep times the op as the decode step runs it, in a CUDA graph over 8 layers' weights. The
+two can disagree: in the twenty-third session's sweeps the Llama-3-8B output projection took
+11.8 us at density 0.8 and 19.6 us at 1.0, with the autotuner's choice at each. This study
+pins each candidate of the named kernel in turn (``tuning.pinned``) and times the op in the
+sweep's setting, beside cuBLAS dense and the autotuner's own choice, then writes the fastest
+candidate per key in the form of ``kernels/tuned/*.json`` (``--json``), ready to merge into
+the shipped file.
+
+    python examples/tile_study.py --models opt-13b --kernel out --densities 0.8   # CUDA GPU
+
+Kernels: ``up`` and ``down`` (the sparse MLP's two launches: the op is timed whole, the other
+kernel at its autotuned tile), ``q`` (the head-gathered query projection) and ``out`` (the
+output projection, on its workspace). About 30 candidates each; compiling them takes most of
+a minute per density.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from dejavu_compile.kernels import heads, ops, sparse_mlp, tuning
+from triton.runtime.errors import OutOfResources
+
+from dejavu_compile import bench
+
+KERNELS = {"up": "sparse_mlp._up_kernel", "down": "sparse_mlp._down_kernel",
+           "q": "heads._head_proj_kernel", "out": "heads._head_out_kernel"}
+
+
+def _case(cfg, kernel: str, density: float, dtype):
+    """``(op, dense, nbytes)``: the op of weight set ``i`` at ``density`` (random sorted ids),
+    cuBLAS dense on the same shape, and the bytes the op's weights take."""
+    esize = torch.finfo(dtype).bits // 8
+    if kernel in ("up", "down"):
+        sets, d, n, gated = bench._mlp_weights(cfg, dtype)
+        act = "relu" if cfg.model_type == "opt" else "silu"
+        x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
+        k = max(1, round(density * n))
+        idx = torch.randperm(n, device="cuda")[:k].sort().values.view(1, 1, k)
+        workspace = torch.zeros(ops.workspace_numel(1, d, k, gated), device="cuda")
+
+        def op(i):
+            w1, w_up, w2_t = sets[i]
+            return sparse_mlp.sparse_mlp(x, idx, w1, None, w_up, w2_t, None, act,
+                                         workspace=workspace)
+
+        return op, bench._dense_mlp(sets, gated, x), k * (3 if gated else 2) * d * esize
+    d = cfg.hidden_size
+    n_heads = cfg.num_attention_heads
+    hd = d // n_heads
+    k = max(1, round(density * n_heads))
+    idx = torch.randperm(n_heads, device="cuda")[:k].sort().values.view(1, 1, k)
+    # [H * hd, d]: the query's rows as stored, the output projection's as re-laid out
+    ws = [(torch.randn(n_heads * hd, d, device="cuda") * d**-0.5).to(dtype)
+          for _ in range(bench.LAYERS)]
+    if kernel == "q":
+        x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
+        return (lambda i: heads.sparse_head_proj(x, idx, ws[i], None, hd),
+                lambda i: F.linear(x, ws[i]), k * hd * d * esize)
+    attn = torch.randn(1, 1, n_heads * hd, device="cuda", dtype=dtype)
+    dense_w = [w.t().contiguous() for w in ws]
+    workspace = torch.zeros(ops.workspace_numel(1, d), device="cuda")
+    return (lambda i: heads.sparse_head_out(attn, idx, ws[i], None, hd, workspace=workspace),
+            lambda i: F.linear(attn, dense_w[i]), k * hd * d * esize)
+
+
+@torch.no_grad()
+def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int = 12):
+    """Rows (one per candidate, fastest first) and the best candidate's entry
+    ``{"key": ..., "config": ...}`` for the key the op tunes."""
+    name = KERNELS[kernel]
+    tuner = tuning.autotuners()[name]
+    op, dense, nbytes = _case(bench.shape_configs()[model], kernel, density, dtype)
+    before = set(tuner.cache)
+    chosen = bench._time_layers(op, bench.LAYERS)[0]  # the autotuner's choice
+    keys = [key for key in tuner.cache if key not in before]
+    dense_ms = bench._time_layers(dense, bench.LAYERS)[0]
+    rows = []
+    for config in list(tuner.configs):
+        with tuning.pinned(name, config):
+            try:
+                ms = bench._time_layers(op, bench.LAYERS)[0]
+            except OutOfResources as e:  # as the autotuner does: this tile does not fit
+                print(f"  {tuning.config_data(config)}: {e}")
+                continue
+        rows.append({"config": tuning.config_data(config), "ms": ms,
+                     "gbs": nbytes / (ms * 1e-3) / 1e9})
+    rows.sort(key=lambda r: r["ms"])
+    print(f"\n{model} {kernel} density {density}: {nbytes / 1e6:.1f} MB, cuBLAS dense "
+          f"{dense_ms * 1e3:.1f} us, the autotuner's choice "
+          f"{tuning.config_data(tuner.cache[keys[0]]) if keys else 'already chosen'} "
+          f"{chosen * 1e3:.1f} us")
+    for r in rows[:top]:
+        print(f"  {r['ms'] * 1e3:7.1f} us {r['gbs']:6.0f} GB/s  {r['config']}")
+    best = {"key": tuning.plain_key(keys[0]), "config": rows[0]["config"]} if keys else None
+    return {"model": model, "kernel": name, "density": density, "bytes": nbytes,
+            "dense_ms": dense_ms, "chosen_ms": chosen, "rows": rows}, best
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["opt-13b"],
+                   choices=sorted(bench.shape_configs()))
+    p.add_argument("--kernel", required=True, choices=sorted(KERNELS))
+    p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])
+    p.add_argument("--json", help="write the rows and the fastest tile per key here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tile_study needs a CUDA GPU")
+    bad = [x for x in args.densities if not 0.0 < x <= 1.0]
+    if bad:
+        raise SystemExit(f"densities must be in (0, 1], got {bad}")
+    results, tuned = [], {}
+    for model in args.models:
+        for density in args.densities:
+            result, best = study(model, args.kernel, density)
+            results.append(result)
+            if best is not None:
+                tuned.setdefault(result["kernel"], []).append(best)
+            if args.json:  # after each density: a run stopped by a time limit keeps them
+                with open(args.json, "w") as f:
+                    json.dump({"gpu": torch.cuda.get_device_name(), "results": results,
+                               "tuned": tuned}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
