@@ -700,14 +700,6 @@ _DEJAVU_MODES = {
 _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
 
 
-def _switch(name: str, on: bool) -> None:
-    """A kernel switch of the environment (``DEJAVU_STORE_ROWS``): "1" when ``on``, else
-    unset."""
-    os.environ.pop(name, None)
-    if on:
-        os.environ[name] = "1"
-
-
 @contextlib.contextmanager
 def kernel_switches(mode: str):
     """The kernels' environment switches as ``mode`` needs them while the block runs:
@@ -719,7 +711,9 @@ def kernel_switches(mode: str):
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
-        _switch(STORE_ROWS_ENV, mode == "dejavu_store")
+        os.environ.pop(STORE_ROWS_ENV, None)
+        if mode == "dejavu_store":
+            os.environ[STORE_ROWS_ENV] = "1"
         yield
 
 

@@ -118,24 +118,6 @@ def _up_kernel(
         add_partial(up_out_ptr + out, tl.sum(acc_up, 1), mask_n, ATOMIC)
 
 
-@triton.jit
-def _whole_rows(x_ptr, w1_ptr, wup_ptr, neurons, valid, D, stride_w1, stride_wup,
-                GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``x . W1[neurons]`` (and ``x . W_up[neurons]`` when ``GATED``, else zeros) over all of
-    d, in a loop of ``BLOCK_D`` slices that Triton pipelines: fp32 [BLOCK_N] each, zero for
-    the neurons not ``valid``."""
-    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(x_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        acc = add_rows(acc, w1_ptr, neurons, valid, stride_w1, offs_d, mask_d, x)
-        if GATED:
-            acc_up = add_rows(acc_up, wup_ptr, neurons, valid, stride_wup, offs_d, mask_d, x)
-    return tl.sum(acc, 1), tl.sum(acc_up, 1)
-
-
 @triton.autotune(configs=store_configs(), key=["D", "K"])
 @triton.jit
 def _up_store_kernel(
@@ -153,12 +135,20 @@ def _up_store_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < K
     neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
-    pre, up = _whole_rows(x_ptr + row * stride_x, w1_ptr, wup_ptr, neurons, neurons >= 0, D,
-                          stride_w1, stride_wup, GATED, BLOCK_N, BLOCK_D)
+    valid = neurons >= 0
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        acc = add_rows(acc, w1_ptr, neurons, valid, stride_w1, offs_d, mask_d, x)
+        if GATED:
+            acc_up = add_rows(acc_up, wup_ptr, neurons, valid, stride_wup, offs_d, mask_d, x)
     out = row * stride_pre + offs_n
-    tl.store(pre_ptr + out, pre, mask=mask_n)
+    tl.store(pre_ptr + out, tl.sum(acc, 1), mask=mask_n)
     if GATED:
-        tl.store(up_out_ptr + out, up, mask=mask_n)
+        tl.store(up_out_ptr + out, tl.sum(acc_up, 1), mask=mask_n)
     zero_share(zero_ptr, ZERO, 256)
 
 

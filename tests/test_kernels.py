@@ -292,7 +292,8 @@ def test_union_selection_kernels(dtype, k, batch):
 
 @pytest.fixture
 def deterministic_mode():
-    """``torch.use_deterministic_algorithms(True)`` for one test (``_deterministic``)."""
+    """``torch.use_deterministic_algorithms(True)`` for one test
+    (``conftest.deterministic_algorithms``)."""
     with deterministic_algorithms():
         yield
 
