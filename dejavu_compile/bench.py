@@ -136,8 +136,7 @@ def _mlp_sweep(name: str, cfg, densities, dtype):
     dense_ms = _time_layers(_dense_mlp(sets, gated, x), LAYERS)
     dense_bytes = (3 if gated else 2) * n * d * esize
     for density in densities:
-        k = max(1, round(density * n))
-        idx = torch.randperm(n, device="cuda")[:k].sort().values.view(1, 1, k)
+        k, idx = random_ids(n, density)
         sparse_bytes = k * (3 if gated else 2) * d * esize
         workspace = torch.zeros(ops.workspace_numel(1, d, k, gated), device="cuda")
 
@@ -203,6 +202,30 @@ def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
             }
 
 
+def random_ids(n: int, density: float) -> tuple[int, torch.Tensor]:
+    """``k = max(1, round(density * n))`` and k sorted random ids of ``n`` units, [1, 1, k] on
+    the GPU: the kernel sweep's selection."""
+    k = max(1, round(density * n))
+    return k, torch.randperm(n, device="cuda")[:k].sort().values.view(1, 1, k)
+
+
+def head_weights(cfg, dtype):
+    """``(H, hd, x, attn, wq, wo_t, wo)`` for ``LAYERS`` layers of ``cfg``'s attention: an
+    input [1, 1, d] and an attention output [1, 1, H * hd]; [H * hd, d] weights, the query's as
+    Hugging Face stores them and the output projection's as the lower pass re-lays them out (a
+    head's rows contiguous); ``wo`` the [d, H * hd] layout of the output projection's Linear,
+    which cuBLAS gets."""
+    d = cfg.hidden_size
+    heads_n, hd = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
+    attn = torch.randn(1, 1, heads_n * hd, device="cuda", dtype=dtype)
+    wq = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
+          for _ in range(LAYERS)]
+    wo_t = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
+            for _ in range(LAYERS)]
+    return heads_n, hd, x, attn, wq, wo_t, [w.t().contiguous() for w in wo_t]
+
+
 def _attention_sweep(name, cfg, densities, dtype):
     """The head-gathered query projection (``attention_q``) and output projection
     (``attention_out``) over selected heads, each against cuBLAS dense and PyTorch's
@@ -212,24 +235,13 @@ def _attention_sweep(name, cfg, densities, dtype):
 
     d = cfg.hidden_size
     esize = torch.finfo(dtype).bits // 8
-    heads_n, hd = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    heads_n, hd, x, attn, wq, wo_t, wo = head_weights(cfg, dtype)
     full = heads_n * hd * d * esize
-    x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
-    attn = torch.randn(1, 1, heads_n * hd, device="cuda", dtype=dtype)
-    # [H * hd, d] weights: the query's as Hugging Face stores them, the output projection's as
-    # the lower pass re-lays them out (a head's rows contiguous); cuBLAS gets the [d, H * hd]
-    # layout of the output projection's Linear
-    wq = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
-          for _ in range(LAYERS)]
-    wo_t = [(torch.randn(heads_n * hd, d, device="cuda") * d**-0.5).to(dtype)
-            for _ in range(LAYERS)]
-    wo = [w.t().contiguous() for w in wo_t]
     workspace = torch.zeros(ops.workspace_numel(1, d), device="cuda")
     dense = {"attention_q": _time_layers(lambda i: F.linear(x, wq[i]), LAYERS),
              "attention_out": _time_layers(lambda i: F.linear(attn, wo[i]), LAYERS)}
     for density in densities:
-        k = max(1, round(density * heads_n))
-        idx = torch.randperm(heads_n, device="cuda")[:k].sort().values.view(1, 1, k)
+        k, idx = random_ids(heads_n, density)
         nbytes = k * hd * d * esize
         sel = idx.view(-1)
         runs = {"attention_q": (
@@ -984,6 +996,12 @@ def _checked(models: list[str]) -> dict:
     return configs
 
 
+def check_densities(densities) -> None:
+    """Refuse kernel-sweep densities that are none, or not each in (0, 1]."""
+    if not densities or any(not 0.0 < x <= 1.0 for x in densities):
+        raise ValueError(f"kernel sweep densities must be in (0, 1], got {list(densities)}")
+
+
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
         kv_attention: str = KV_ATTENTION[0], tuned: str | None = None,
@@ -992,9 +1010,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
     file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
     keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file.
     ``densities``: the kernel sweep's, each in (0, 1]."""
-    bad = [x for x in densities if not 0.0 < x <= 1.0]
-    if kernels and (bad or not densities):
-        raise ValueError(f"kernel sweep densities must be in (0, 1], got {list(densities)}")
+    if kernels:
+        check_densities(densities)
     configs = _checked(models)
     seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
     bw = copy_bandwidth()

@@ -33,15 +33,15 @@ KERNELS = {"up": "sparse_mlp._up_kernel", "down": "sparse_mlp._down_kernel",
 
 
 def _case(cfg, kernel: str, density: float, dtype):
-    """``(op, dense, nbytes)``: the op of weight set ``i`` at ``density`` (random sorted ids),
-    cuBLAS dense on the same shape, and the bytes the op's weights take."""
+    """``(op, dense, nbytes)``: the op of weight set ``i`` at ``density`` (the sweep's random
+    ids and weights, ``bench.random_ids`` and the rest), cuBLAS dense on the same shape, and
+    the bytes the op's weights take."""
     esize = torch.finfo(dtype).bits // 8
     if kernel in ("up", "down"):
         sets, d, n, gated = bench._mlp_weights(cfg, dtype)
         act = "relu" if cfg.model_type == "opt" else "silu"
         x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
-        k = max(1, round(density * n))
-        idx = torch.randperm(n, device="cuda")[:k].sort().values.view(1, 1, k)
+        k, idx = bench.random_ids(n, density)
         workspace = torch.zeros(ops.workspace_numel(1, d, k, gated), device="cuda")
 
         def op(i):
@@ -51,22 +51,14 @@ def _case(cfg, kernel: str, density: float, dtype):
 
         return op, bench._dense_mlp(sets, gated, x), k * (3 if gated else 2) * d * esize
     d = cfg.hidden_size
-    n_heads = cfg.num_attention_heads
-    hd = d // n_heads
-    k = max(1, round(density * n_heads))
-    idx = torch.randperm(n_heads, device="cuda")[:k].sort().values.view(1, 1, k)
-    # [H * hd, d]: the query's rows as stored, the output projection's as re-laid out
-    ws = [(torch.randn(n_heads * hd, d, device="cuda") * d**-0.5).to(dtype)
-          for _ in range(bench.LAYERS)]
+    n_heads, hd, x, attn, wq, wo_t, wo = bench.head_weights(cfg, dtype)
+    k, idx = bench.random_ids(n_heads, density)
     if kernel == "q":
-        x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
-        return (lambda i: heads.sparse_head_proj(x, idx, ws[i], None, hd),
-                lambda i: F.linear(x, ws[i]), k * hd * d * esize)
-    attn = torch.randn(1, 1, n_heads * hd, device="cuda", dtype=dtype)
-    dense_w = [w.t().contiguous() for w in ws]
+        return (lambda i: heads.sparse_head_proj(x, idx, wq[i], None, hd),
+                lambda i: F.linear(x, wq[i]), k * hd * d * esize)
     workspace = torch.zeros(ops.workspace_numel(1, d), device="cuda")
-    return (lambda i: heads.sparse_head_out(attn, idx, ws[i], None, hd, workspace=workspace),
-            lambda i: F.linear(attn, dense_w[i]), k * hd * d * esize)
+    return (lambda i: heads.sparse_head_out(attn, idx, wo_t[i], None, hd, workspace=workspace),
+            lambda i: F.linear(attn, wo[i]), k * hd * d * esize)
 
 
 @torch.no_grad()
@@ -112,9 +104,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tile_study needs a CUDA GPU")
-    bad = [x for x in args.densities if not 0.0 < x <= 1.0]
-    if bad:
-        raise SystemExit(f"densities must be in (0, 1], got {bad}")
+    bench.check_densities(args.densities)
     results, tuned = [], {}
     for model in args.models:
         for density in args.densities:
