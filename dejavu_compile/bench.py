@@ -1008,12 +1008,18 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         densities=DENSITIES) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict. ``tuned``: a
     file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
-    keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file.
+    keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file, and
+    ``shipped`` the shipped file seeded (by the kernel sweep, or by the backend's option
+    ``shipped_configs``) if any.
     ``densities``: the kernel sweep's, each in (0, 1]."""
     if kernels:
         check_densities(densities)
     configs = _checked(models)
     seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
+    if kernels:
+        # the sweep runs the configs the backend would (its option shipped_configs): this GPU's
+        # shipped ones for their keys, after those of ``tuned``; other keys tune
+        tuning.seed_shipped(torch.cuda.get_device_name())
     bw = copy_bandwidth()
     result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": [],
               "complete": False}

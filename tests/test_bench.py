@@ -527,6 +527,30 @@ def test_a_stopped_kernel_sweep_keeps_its_rows(monkeypatch, tmp_path):
             bench.run(["opt-13b"], e2e=False, densities=bad)
 
 
+def test_the_kernel_sweep_runs_the_shipped_configs_after_the_tuned_ones(monkeypatch, tmp_path):
+    """The kernel sweep times the configs the backend runs: the GPU's shipped file is seeded
+    before the sweep (the backend seeds it when it compiles, option ``shipped_configs``), after
+    a ``--tuned`` file, whose keys it keeps. A run without the sweep leaves it to the backend."""
+    from dejavu_compile.kernels import tuning
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(bench, "shape_configs", lambda: {"opt-13b": None})
+    monkeypatch.setattr(bench, "kernel_sweep", lambda *a, **k: iter(()))
+    monkeypatch.setattr(bench, "end_to_end", lambda *a, **k: iter(()))
+    calls = []
+    monkeypatch.setattr(tuning, "seed", lambda data, keep=False: calls.append(("tuned", data)) or 1)
+    monkeypatch.setattr(tuning, "seed_shipped", lambda gpu: calls.append(("shipped", gpu)) or 2)
+    tuned = tmp_path / "t.json"
+    tuned.write_text(json.dumps({"tuned": {"k": []}}))
+    bench.run(["opt-13b"], e2e=False, densities=(0.5,), tuned=str(tuned))
+    assert calls == [("tuned", {"k": []}), ("shipped", "fake GPU")]
+    calls.clear()
+    bench.run(["opt-13b"], kernels=False)
+    assert calls == []
+
+
 def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
     """The HF modes run first (a dejavu compilation re-lays out the parameters in place), then
     the dejavu modes in the order given, each once: so a run can measure two modes the other
