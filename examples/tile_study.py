@@ -14,7 +14,12 @@ the shipped file.
 Kernels: ``up`` and ``down`` (the sparse MLP's two launches: the op is timed whole, the other
 kernel at its autotuned tile), ``q`` (the head-gathered query projection) and ``out`` (the
 output projection, on its workspace). About 30 candidates each; compiling them takes most of
-a minute per density.
+a minute per density. ``mlp`` studies ``up`` and ``down`` in turn, then times the MLP with
+each of the ``--pairs`` fastest tiles of one paired with each of the other's, both pinned, and
+writes the fastest pair: a tile found with the other kernel autotuned need not be the best
+beside another (OPT-13B's MLP at density 0.1 ran 17.9 us with a pair the autotuner chose, and
+19.6 with the study's fastest down tile beside an autotuned up tile: BENCHMARKS.md,
+twenty-fourth session).
 """
 from __future__ import annotations
 
@@ -94,24 +99,70 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
             "dense_ms": dense_ms, "chosen_ms": chosen, "rows": rows}, best
 
 
+def pairs(op, up_rows: list[dict], down_rows: list[dict], top: int) -> list[dict]:
+    """The sparse MLP ``op`` timed with each of the ``top`` fastest up tiles of ``up_rows``
+    beside each of the ``top`` fastest down tiles of ``down_rows`` (``study``'s rows), both
+    pinned: rows ``{"up", "down", "ms"}``, fastest first."""
+    tuners = tuning.autotuners()
+
+    def config(kernel: str, data: dict):
+        return next(c for c in tuners[KERNELS[kernel]].configs if tuning.config_data(c) == data)
+
+    rows = []
+    for up in up_rows[:top]:
+        for down in down_rows[:top]:
+            with tuning.pinned(KERNELS["up"], config("up", up["config"])), \
+                    tuning.pinned(KERNELS["down"], config("down", down["config"])):
+                ms = bench._time_layers(op, bench.LAYERS)[0]
+            rows.append({"up": up["config"], "down": down["config"], "ms": ms})
+    return sorted(rows, key=lambda r: r["ms"])
+
+
+@torch.no_grad()
+def pair_study(model: str, density: float, top: int, dtype=torch.float16):
+    """``study`` of the up and then the down kernel, then ``pairs`` of their fastest tiles:
+    the three results and the fastest pair's entries (none for a kernel whose key was chosen
+    before the study, as ``study`` gives)."""
+    (up, up_best), (down, down_best) = (study(model, k, density, dtype) for k in ("up", "down"))
+    op, _, nbytes = _case(bench.shape_configs()[model], "up", density, dtype)
+    rows = pairs(op, up["rows"], down["rows"], top)
+    print(f"\n{model} mlp density {density}: {top} x {top} pairs of tiles, fastest first")
+    for r in rows[:top]:
+        print(f"  {r['ms'] * 1e3:7.1f} us  up {r['up']['kwargs']}  down {r['down']['kwargs']}")
+    best = [{"kernel": KERNELS[k], "key": b["key"], "config": rows[0][k]}
+            for k, b in (("up", up_best), ("down", down_best)) if b is not None]
+    result = {"model": model, "kernel": "mlp pairs", "density": density, "bytes": nbytes,
+              "rows": [{**r, "gbs": nbytes / (r["ms"] * 1e-3) / 1e9} for r in rows]}
+    return [up, down, result], best
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["opt-13b"],
                    choices=sorted(bench.shape_configs()))
-    p.add_argument("--kernel", required=True, choices=sorted(KERNELS))
+    p.add_argument("--kernel", required=True, choices=sorted([*KERNELS, "mlp"]))
+    p.add_argument("--pairs", type=int, default=4,
+                   help="with --kernel mlp: pair this many fastest tiles of each kernel")
     p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])
     p.add_argument("--json", help="write the rows and the fastest tile per key here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tile_study needs a CUDA GPU")
     bench.check_densities(args.densities)
+    if args.pairs < 1:
+        raise SystemExit(f"--pairs must be at least 1, got {args.pairs}")
     results, tuned = [], {}
     for model in args.models:
         for density in args.densities:
-            result, best = study(model, args.kernel, density)
-            results.append(result)
-            if best is not None:
-                tuned.setdefault(result["kernel"], []).append(best)
+            if args.kernel == "mlp":
+                done, entries = pair_study(model, density, args.pairs)
+                results.extend(done)
+            else:
+                result, best = study(model, args.kernel, density)
+                results.append(result)
+                entries = [{"kernel": result["kernel"], **best}] if best is not None else []
+            for e in entries:
+                tuned.setdefault(e.pop("kernel"), []).append(e)
             if args.json:  # after each density: a run stopped by a time limit keeps them
                 with open(args.json, "w") as f:
                     json.dump({"gpu": torch.cuda.get_device_name(), "results": results,

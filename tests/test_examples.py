@@ -53,3 +53,53 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
                                              b[m * rows:(m + 1) * rows], hd)
                       for m in range(3)], dim=-1)
     torch.testing.assert_close(got, want)
+
+
+def test_tile_study_pairs_pins_both_mlp_kernels_and_ranks_the_pairs(monkeypatch):
+    """``examples/tile_study.py``'s ``pairs`` runs the sparse MLP with each pair of the fastest
+    up and down tiles pinned together (the Triton kernels, under the interpreter, still match
+    the reference with tiles other than their own), ranks the pairs by time, and gives both
+    kernels back their candidates and choices."""
+    import torch
+    import triton
+    from dejavu_compile.kernels import reference as ref
+    from dejavu_compile.kernels import sparse_mlp, tuning
+
+    from dejavu_compile import bench
+
+    study = _load(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    up_t, down_t = sparse_mlp._up_kernel, sparse_mlp._down_kernel
+    tiles = {k: [triton.Config({"BLOCK_N": n, "BLOCK_D": 16, "TILES": t}, num_warps=1)
+                 for n, t in ((8, 1), (16, 2), (32, 1))] for k in ("up", "down")}
+    for tuner, k in ((up_t, "up"), (down_t, "down")):
+        monkeypatch.setattr(tuner, "configs", list(tiles[k]))
+        monkeypatch.setattr(tuner, "cache", {})
+    gen = torch.Generator().manual_seed(5)
+    d, n = 24, 40
+    x = torch.randn(1, 1, d, generator=gen)
+    w1, w2_t = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    idx = torch.tensor([[[0, 3, 7, 11, 20, 39]]])
+    want = ref.sparse_mlp(x, idx, w1, None, None, w2_t, None, "relu")
+    ran = []
+
+    def op(i):
+        got = sparse_mlp.sparse_mlp(x, idx, w1, None, None, w2_t, None, "relu")
+        torch.testing.assert_close(got, want)
+
+    def time_layers(fn, layers):  # a made-up time from the pinned pair: up 8 x 16 beside
+        fn(0)                     # down 16 x 16 in loops of 2 is the fastest of these
+        up, down = up_t.configs, down_t.configs
+        assert len(up) == len(down) == 1
+        ran.append((up[0].kwargs["BLOCK_N"], down[0].kwargs["BLOCK_N"]))
+        ms = {(8, 16): 1.0, (8, 8): 2.0, (16, 8): 3.0, (16, 16): 4.0}[ran[-1]]
+        return ms, ms, ms
+
+    monkeypatch.setattr(bench, "_time_layers", time_layers)
+    rows = {k: [{"config": tuning.config_data(c)} for c in tiles[k][:2]] for k in tiles}
+    got = study.pairs(op, rows["up"], rows["down"], top=2)
+    assert sorted(ran) == [(8, 8), (8, 16), (16, 8), (16, 16)]  # the two fastest of each
+    assert [r["ms"] for r in got] == [1.0, 2.0, 3.0, 4.0]
+    assert got[0]["up"] == tuning.config_data(tiles["up"][0])
+    assert got[0]["down"] == tuning.config_data(tiles["down"][1])
+    assert up_t.configs == tiles["up"] and down_t.configs == tiles["down"]
+    assert not up_t.cache and not down_t.cache
