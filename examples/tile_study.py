@@ -67,12 +67,14 @@ def _case(cfg, kernel: str, density: float, dtype):
 
 
 @torch.no_grad()
-def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int = 12):
+def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int = 12,
+          case=None):
     """Rows (one per candidate, fastest first) and the best candidate's entry
-    ``{"key": ..., "config": ...}`` for the key the op tunes."""
+    ``{"key": ..., "config": ...}`` for the key the op tunes; ``case``: ``_case``'s op, dense
+    and bytes if already built (``pair_study``'s, which both MLP kernels share)."""
     name = KERNELS[kernel]
     tuner = tuning.autotuners()[name]
-    op, dense, nbytes = _case(bench.shape_configs()[model], kernel, density, dtype)
+    op, dense, nbytes = case or _case(bench.shape_configs()[model], kernel, density, dtype)
     before = set(tuner.cache)
     chosen = bench._time_layers(op, bench.LAYERS)[0]  # the autotuner's choice
     keys = [key for key in tuner.cache if key not in before]
@@ -120,11 +122,13 @@ def pairs(op, up_rows: list[dict], down_rows: list[dict], top: int) -> list[dict
 
 @torch.no_grad()
 def pair_study(model: str, density: float, top: int, dtype=torch.float16):
-    """``study`` of the up and then the down kernel, then ``pairs`` of their fastest tiles:
-    the three results and the fastest pair's entries (none for a kernel whose key was chosen
-    before the study, as ``study`` gives)."""
-    (up, up_best), (down, down_best) = (study(model, k, density, dtype) for k in ("up", "down"))
-    op, _, nbytes = _case(bench.shape_configs()[model], "up", density, dtype)
+    """``study`` of the up and then the down kernel, then ``pairs`` of their fastest tiles, all
+    on one MLP case (the same weights and ids): the three results and the fastest pair's
+    entries (none for a kernel whose key was chosen before the study, as ``study`` gives)."""
+    case = _case(bench.shape_configs()[model], "up", density, dtype)
+    (up, up_best), (down, down_best) = (study(model, k, density, dtype, case=case)
+                                        for k in ("up", "down"))
+    op, _, nbytes = case
     rows = pairs(op, up["rows"], down["rows"], top)
     print(f"\n{model} mlp density {density}: {top} x {top} pairs of tiles, fastest first")
     for r in rows[:top]:
