@@ -1016,13 +1016,13 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         check_densities(densities)
     configs = _checked(models)
     seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
+    gpu = torch.cuda.get_device_name()
     if kernels:
         # the sweep runs the configs the backend would (its option shipped_configs): this GPU's
         # shipped ones for their keys, after those of ``tuned``; other keys tune
-        tuning.seed_shipped(torch.cuda.get_device_name())
+        tuning.seed_shipped(gpu)
     bw = copy_bandwidth()
-    result = {"gpu": torch.cuda.get_device_name(), "copy_gbs": bw / 1e9, "kernels": [], "e2e": [],
-              "complete": False}
+    result = {"gpu": gpu, "copy_gbs": bw / 1e9, "kernels": [], "e2e": [], "complete": False}
     if tuned:
         result["tuned_from"] = {"path": tuned, "keys": seeded}
     print(f"GPU {result['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
