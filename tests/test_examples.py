@@ -103,3 +103,31 @@ def test_tile_study_pairs_pins_both_mlp_kernels_and_ranks_the_pairs(monkeypatch)
     assert got[0]["down"] == tuning.config_data(tiles["down"][1])
     assert up_t.configs == tiles["up"] and down_t.configs == tiles["down"]
     assert not up_t.cache and not down_t.cache
+
+
+def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
+    """``pair_study`` gives an entry for the up and the down kernel, each with the key its
+    case tuned, though the up study's first call tunes both keys (so the down study finds its
+    key chosen before it, as on the twenty-fifth session's GPU run, which wrote the up entry
+    alone)."""
+    from dejavu_compile.kernels import tuning
+
+    study = _load(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    tuners = tuning.autotuners()
+    for name in study.KERNELS.values():
+        monkeypatch.setattr(tuners[name], "cache", {("old", name): None})
+    up_cfg, down_cfg = {"kwargs": {"BLOCK_N": 8}}, {"kwargs": {"BLOCK_N": 16}}
+
+    def fake_study(model, kernel, density, dtype, case):
+        for k in ("up", "down"):  # the op's first call tunes both kernels' keys
+            tuners[study.KERNELS[k]].cache.setdefault((k, 5120), None)
+        return {"kernel": study.KERNELS[kernel], "rows": []}, None
+
+    monkeypatch.setattr(study, "_case", lambda cfg, kernel, density, dtype: (None, None, 10))
+    monkeypatch.setattr(study, "study", fake_study)
+    monkeypatch.setattr(study, "pairs", lambda op, up, down, top: [
+        {"up": up_cfg, "down": down_cfg, "ms": 1.0}])
+    monkeypatch.setattr(tuning, "plain_key", lambda key: list(key))
+    _, best = study.pair_study("opt-13b", 0.25, top=1)
+    assert best == [{"kernel": study.KERNELS["up"], "key": ["up", 5120], "config": up_cfg},
+                    {"kernel": study.KERNELS["down"], "key": ["down", 5120], "config": down_cfg}]
