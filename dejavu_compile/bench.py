@@ -165,6 +165,15 @@ def _mlp_sweep(name: str, cfg, densities, dtype):
 
 BATCH = 8  # the batch of the union-selection rows of the kernel sweep
 BATCH_DENSITIES = (0.1, 0.5)
+# the kernel sweep's parts, in the order it runs them (``kernel_sweep``, ``--blocks``)
+SWEEP_BLOCKS = ("mlp", "attention", "selectors", "batch")
+
+
+def check_blocks(blocks) -> None:
+    """Refuse an empty or unknown choice of the kernel sweep's parts."""
+    unknown = [b for b in blocks if b not in SWEEP_BLOCKS]
+    if not blocks or unknown:
+        raise ValueError(f"kernel sweep blocks must be some of {SWEEP_BLOCKS}, got {list(blocks)}")
 
 
 def _mlp_batch_sweep(name: str, cfg, dtype, batch: int = BATCH,
@@ -230,7 +239,8 @@ def _attention_sweep(name, cfg, densities, dtype):
     """The head-gathered query projection (``attention_q``) and output projection
     (``attention_out``) over selected heads, each against cuBLAS dense and PyTorch's
     index-then-multiply (the selected heads' weight rows copied out, then one matmul). The
-    output projection runs on a workspace kept zero, as in the decode step (no zero-fill)."""
+    output projection runs on a workspace kept zero, as in the decode step (no zero-fill);
+    ``attention_out_original`` is the same op on the original layout (option ``out_layout``)."""
     from dejavu_compile.kernels import heads, ops
 
     d = cfg.hidden_size
@@ -252,16 +262,23 @@ def _attention_sweep(name, cfg, densities, dtype):
                     lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo_t[i], None, hd,
                                                              workspace=workspace),
                     lambda i, sel=sel: attn.view(heads_n, hd)[sel].reshape(1, -1)
-                    @ wo_t[i].view(heads_n, hd, d)[sel].reshape(-1, d))}
+                    @ wo_t[i].view(heads_n, hd, d)[sel].reshape(-1, d)),
+                # option out_layout="original": the Linear's own [d, H * hd] weight, read
+                # along its columns (heads._head_out_cols_kernel); the naive row as above
+                "attention_out_original": (
+                    lambda i, idx=idx: heads.sparse_head_out(attn, idx, wo[i].t(), None, hd),
+                    None)}
+        naive_ms = None
         for block, (fn, naive) in runs.items():
-            ours, naive_ms = _time_layers(fn, LAYERS), _time_layers(naive, LAYERS)
+            ours = _time_layers(fn, LAYERS)
+            naive_ms = naive_ms if naive is None else _time_layers(naive, LAYERS)
             yield {
                 "model": name, "block": block, "density": density, "k": k,
                 "sparse_ms": ours[0], "sparse_p20": ours[1], "sparse_p80": ours[2],
-                "naive_ms": naive_ms[0], "dense_ms": dense[block][0],
+                "naive_ms": naive_ms[0], "dense_ms": dense[block.split("_original")[0]][0],
                 "bytes": nbytes, "dense_bytes": full,
                 "sparse_gbs": nbytes / (ours[0] * 1e-3) / 1e9,
-                "dense_gbs": full / (dense[block][0] * 1e-3) / 1e9,
+                "dense_gbs": full / (dense[block.split("_original")[0]][0] * 1e-3) / 1e9,
             }
 
 
@@ -302,16 +319,20 @@ def _selector_sweep(name, cfg, densities, dtype, rank: int = 128):
 
 
 @torch.no_grad()
-def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16):
+def kernel_sweep(name: str, cfg, densities=DENSITIES, dtype=torch.float16,
+                 blocks=SWEEP_BLOCKS):
     """Rows of the kernel table for one model shape, each as soon as it is measured (a run
-    stopped by a time limit keeps them): MLP, the attention's query and output projections,
-    the learned selectors, and the MLP of a batch with union and per-row selection (at the
-    ``BATCH_DENSITIES`` among ``densities``)."""
+    stopped by a time limit keeps them), of the parts named in ``blocks``: ``mlp``, the
+    ``attention``'s query and output projections, the learned ``selectors``, and the MLP of a
+    ``batch`` with union and per-row selection (at the ``BATCH_DENSITIES`` among
+    ``densities``)."""
+    check_blocks(blocks)
     batch = [x for x in BATCH_DENSITIES if x in densities]
-    sweeps = [_mlp_sweep(name, cfg, densities, dtype), _attention_sweep(name, cfg, densities, dtype),
-              _selector_sweep(name, cfg, densities, dtype)]
-    if batch:
-        sweeps.append(_mlp_batch_sweep(name, cfg, dtype, densities=batch))
+    parts = {"mlp": lambda: _mlp_sweep(name, cfg, densities, dtype),
+             "attention": lambda: _attention_sweep(name, cfg, densities, dtype),
+             "selectors": lambda: _selector_sweep(name, cfg, densities, dtype),
+             "batch": lambda: _mlp_batch_sweep(name, cfg, dtype, densities=batch)}
+    sweeps = [parts[b]() for b in SWEEP_BLOCKS if b in blocks and (b != "batch" or batch)]
     for sweep in sweeps:  # generators: each allocates its weights when it starts
         yield from sweep
         gc.collect()
@@ -696,6 +717,12 @@ _DEJAVU_MODES = {
     # dejavu_captured_lazy_pdl with the query projection in the lazy K/V launch (fuse_qkv)
     "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                            "lazy_kv": True, "fuse_qkv": True}),
+    # dejavu_captured_qkv_pdl with the output projections left in their original layout and
+    # read along its columns (option out_layout)
+    "dejavu_captured_qkv_orig_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                                "lazy_kv": True,
+                                                                "fuse_qkv": True,
+                                                                "out_layout": "original"}),
     # dejavu_captured_qkv_pdl with every lazy block's cache positions in two foreach ops
     # (option batch_positions)
     "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
@@ -1005,15 +1032,16 @@ def check_densities(densities) -> None:
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
         kv_attention: str = KV_ATTENTION[0], tuned: str | None = None,
-        densities=DENSITIES) -> dict:
+        densities=DENSITIES, blocks=SWEEP_BLOCKS) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict. ``tuned``: a
     file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
     keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file, and
     ``shipped`` the shipped file seeded (by the kernel sweep, or by the backend's option
     ``shipped_configs``) if any.
-    ``densities``: the kernel sweep's, each in (0, 1]."""
+    ``densities``: the kernel sweep's, each in (0, 1]; ``blocks``: its parts (``SWEEP_BLOCKS``)."""
     if kernels:
         check_densities(densities)
+        check_blocks(blocks)
     configs = _checked(models)
     seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
     gpu = torch.cuda.get_device_name()
@@ -1044,7 +1072,7 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         save()
     for name in models:
         if kernels:
-            for row in kernel_sweep(name, configs[name], densities):
+            for row in kernel_sweep(name, configs[name], densities, blocks=blocks):
                 row["pct_copy"] = 100 * row["sparse_gbs"] * 1e9 / bw
                 result["kernels"].append(row)
                 print(json.dumps(row), flush=True)

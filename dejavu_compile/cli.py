@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 
-from .bench import DENSITIES, KV_ATTENTION, MODES
+from .bench import DENSITIES, KV_ATTENTION, MODES, SWEEP_BLOCKS
 
 
 def _commit() -> str:
@@ -39,7 +39,7 @@ def _bench(args) -> int:
         result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
                            e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
                            breakdown=args.breakdown, kv_attention=args.kv_attention,
-                           tuned=args.tuned, densities=args.densities)
+                           tuned=args.tuned, densities=args.densities, blocks=args.blocks)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-e2e", action="store_true", help="skip end-to-end decoding")
     p.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES),
                    help="the kernel sweep's densities, each in (0, 1]")
+    p.add_argument("--blocks", nargs="+", default=list(SWEEP_BLOCKS), choices=SWEEP_BLOCKS,
+                   help="the kernel sweep's parts to run")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="end-to-end modes to run")
     p.add_argument("--kv", action="store_true",

@@ -11,12 +11,14 @@ SELECTORS = ("oracle", "predictor", "fixed", "gate", "threshold")
 GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
 RELAYOUTS = ("in_place", "copy")
+OUT_LAYOUTS = ("transposed", "original")
 BATCH_SELECTIONS = ("union", "row")
 DECODE_ATTENTIONS = ("cuda", "always", "never")
 
 DEFAULT_INNER = "inductor"
 DEFAULT_GRANULARITY = "head"
 DEFAULT_RELAYOUT = "in_place"
+DEFAULT_OUT_LAYOUT = "transposed"
 DEFAULT_BATCH_SELECTION = "union"
 DEFAULT_DECODE_ATTENTION = "cuda"
 
@@ -67,6 +69,13 @@ class DejavuOptions:
         row-per-unit layout: ``"in_place"`` re-lays out the parameters themselves (no second
         copy; the parameters become transposed views, Dynamo recompiles once after the first
         call) or ``"copy"`` (a copy beside each original: more memory, parameters untouched).
+    out_layout: the layout the attention output projections' sparse ops read:
+        ``"transposed"`` (re-laid out as ``relayout`` says, a head's rows contiguous, paper
+        section 4.4; its kernel splits the selected rows over programs that add into fp32 with
+        atomics) or ``"original"`` (the parameter untouched, ``[d_out, H * head_dim]``: each
+        output row's selected heads are ``head_dim`` contiguous values, and one program per
+        block of output rows reads all of them and stores finished outputs, no atomics;
+        ``kernels/heads.py::_head_out_cols_kernel``). No memory either way.
     batch_selection: how a decode step of several sequences selects: ``"union"`` (every row
         computes the units any row selected, so the weights read are the union's, once for the
         batch; a row's output then depends on the others' selections, never with fewer units
@@ -190,6 +199,7 @@ class DejavuOptions:
     cudagraphs: bool = False
     lookahead: bool | None = None
     relayout: str = DEFAULT_RELAYOUT
+    out_layout: str = DEFAULT_OUT_LAYOUT
     fuse_linears: bool = True
     batch_selection: str = DEFAULT_BATCH_SELECTION
     fold_predictors: bool = False
@@ -231,6 +241,9 @@ class DejavuOptions:
                              f"got {self.batch_selection!r}")
         if self.relayout not in RELAYOUTS:
             raise ValueError(f"option 'relayout' must be one of {RELAYOUTS}, got {self.relayout!r}")
+        if self.out_layout not in OUT_LAYOUTS:
+            raise ValueError(f"option 'out_layout' must be one of {OUT_LAYOUTS}, "
+                             f"got {self.out_layout!r}")
         if self.decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(f"option 'decode_attention' must be one of {DECODE_ATTENTIONS}, "
                              f"got {self.decode_attention!r}")

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ops
 from . import triton_common as tc
 from .triton_common import (
     add_partial,
@@ -130,6 +131,42 @@ def _head_out_kernel(
                        tl.num_programs(1), HAS_B, CLEAN)
 
 
+@triton.autotune(configs=tc.column_configs(), key=["DOUT", "HEADS"])
+@triton.jit
+def _head_out_cols_kernel(
+    a_ptr, idx_ptr, w_ptr, b_ptr, out_ptr,
+    DOUT, HEADS, HEAD_DIM,
+    stride_a, stride_idx, stride_w, stride_out,
+    HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The output projection on the original ``W_o`` ([d_out, H * head_dim], rows of stride
+    ``stride_w``, a selected head's ``head_dim`` columns contiguous in each): each program
+    owns ``BLOCK_M`` output rows and loops over every selected head, so it stores finished,
+    biased outputs in their dtype, with no atomics, partial sums or counters."""
+    row, pid = tl.program_id(0), tl.program_id(1)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < DOUT
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < HEAD_DIM
+    w_rows = w_ptr + offs_m.to(tl.int64)[:, None] * stride_w
+    wait_inputs(PDL)  # the activations are the kernel before's
+    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    for s in range(0, HEADS, UNROLL):
+        for u in tl.static_range(UNROLL):
+            slot = s + u
+            head = tl.load(idx_ptr + row * stride_idx + slot, mask=slot < HEADS, other=-1)
+            cols = head.to(tl.int64) * HEAD_DIM + offs_h
+            ok = mask_h & (head >= 0)  # -1: past the selection, or union padding
+            a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + cols[None, :], mask=mask_m[:, None] & ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+    out = tl.sum(acc, 1)
+    if HAS_B:
+        out += tl.load(b_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs_m, out.to(out_ptr.dtype.element_ty), mask=mask_m)
+
+
 @triton.autotune(configs=union_tile_configs(), key=["D", "J"], reset_to_zero=["out_ptr"])
 @triton.jit
 def _head_proj_union_kernel(
@@ -234,15 +271,35 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     return tc.finish(tc.total(parts, det), None, x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
+def reads_columns(wo_t: torch.Tensor, head_dim: int) -> bool:
+    """Whether the output projection's weight is the transposed view of the original
+    ``[d_out, H * head_dim]`` W_o (column stride 1: the lower pass left it in place, option
+    ``head_out_layout``), read by ``_head_out_cols_kernel``: each output row's selected heads
+    are ``head_dim`` contiguous values. One-wide units (the TEAL rewrite's) stay with the
+    row-gathered kernels, whatever the layout."""
+    return wo_t.stride(0) == 1 and wo_t.shape[1] > 1 and head_dim >= ops.COLUMN_HEAD_DIM
+
+
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
                     workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d].
-    With per-row ids and atomics, a ``workspace`` (fp32 zeros, ``ops.workspace_numel``) holds
-    the sums and counters, and is given back zero: no zero-fill launch."""
+    On the original layout (``reads_columns``), one launch that stores finished outputs (no
+    workspace used). Otherwise, with per-row ids and atomics, a ``workspace`` (fp32 zeros,
+    ``ops.workspace_numel``) holds the sums and counters, and is given back zero: no zero-fill
+    launch."""
     tc.check_dtype("sparse_head_out", attn, wo_t, b)
     rows = _rows(attn)
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
+    if reads_columns(wo_t, head_dim):
+        out = torch.empty(rows.shape[0], d_out, device=attn.device, dtype=attn.dtype)
+        tc.launch(_head_out_cols_kernel,
+                  lambda m: (rows.shape[0], triton.cdiv(d_out, m["BLOCK_M"])),
+                  rows, sel, wo_t, b if b is not None else wo_t, out,
+                  d_out, sel.shape[1], head_dim,
+                  rows.stride(0), tc.idx_stride(sel), wo_t.stride(1), out.stride(0),
+                  HAS_B=b is not None, BLOCK_H=triton.next_power_of_2(head_dim))
+        return out.reshape(*attn.shape[:-1], d_out)
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
     fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED
     fin = cnt = None

@@ -23,6 +23,10 @@ _LIB = "dejavu"
 # the smallest output tile of a reducing kernel: sizes the counters of the programs adding into
 # each output tile (``triton_common.finish_last``)
 COUNT_BLOCK = 16
+# ``sparse_head_out`` on the transposed view of the original ``[d_out, H * head_dim]`` weight
+# (column stride 1) reads each output row's selected heads along their columns when a head is
+# at least this wide (``heads.reads_columns``; the lower pass's option ``out_layout``)
+COLUMN_HEAD_DIM = 8
 
 
 def workspace_numel(rows: int, d_out: int, k: int = 0, gated: bool = False) -> int:

@@ -334,6 +334,18 @@ def reduce_configs() -> list[triton.Config]:
             for n, d, w in shapes for t in (1, 2, 4, 8)]
 
 
+def column_configs() -> list[triton.Config]:
+    """Configs of the output projection over the original ``[d_out, H * head_dim]`` layout
+    (``heads._head_out_cols_kernel``): output rows per program, heads read per loop step
+    (``UNROLL``, each a ``[BLOCK_M, head_dim]`` tile) and warps."""
+    if INTERPRET or QUICK_TUNE:
+        return [triton.Config({"BLOCK_M": 8 if INTERPRET else 16, "UNROLL": 2},
+                              num_warps=1 if INTERPRET else 4)]
+    shapes = [(8, 1, 2), (8, 2, 2), (8, 4, 4), (16, 1, 4), (16, 2, 4), (16, 4, 4), (16, 2, 2),
+              (32, 1, 4), (32, 2, 4), (32, 2, 8), (32, 4, 8), (64, 1, 8), (64, 2, 8)]
+    return [triton.Config({"BLOCK_M": m, "UNROLL": u}, num_warps=w) for m, u, w in shapes]
+
+
 def check_dtype(name: str, *tensors) -> None:
     """Raise a clear error for a dtype the kernels do not handle (they accumulate in fp32)."""
     for t in tensors:

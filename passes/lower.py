@@ -18,6 +18,11 @@ such weight is stored as ``[in, out]`` contiguous (paper section 4.4), in one of
   every graph), reported as ``relayout_bytes``: what a model costs when its parameters must not
   change layout.
 
+With option ``out_layout="original"`` the attention output projections are left out of the
+re-layout: their sparse ops read the ``aten.t`` view of the ``[d_out, H * head_dim]``
+parameter as it is, where each output row's selected heads are ``head_dim`` contiguous values
+(``kernels/heads.py::_head_out_cols_kernel``, one program per block of output rows, no atomics).
+
 Dense projections that read the same input (the K and V projections beside a sparse Q, or Q,
 K and V of a dense attention block, or gate and up of a dense gated MLP) become one linear on
 their stacked weights, split after: one read of the input and one launch instead of two or three
@@ -105,6 +110,18 @@ DEJAVU_NAMESPACE = "dejavu"
 def relaid_out(weight: torch.Tensor) -> bool:
     """Whether ``weight`` ([out, in]) already has the [in, out] row-contiguous layout."""
     return weight.dim() == 2 and weight.t().is_contiguous()
+
+
+def _reads_columns(t_node: fx.Node) -> bool:
+    """Whether every use of the weight view ``t_node`` is an output projection of heads wide
+    enough to read along the original layout's columns (``heads.reads_columns``)."""
+    from dejavu_compile.kernels.ops import COLUMN_HEAD_DIM
+
+    def head_dim(user):
+        return user.args[4] if len(user.args) > 4 else user.kwargs["head_dim"]
+
+    return all(is_op(user, "sparse_head_out") and user.args[2] is t_node
+               and head_dim(user) >= COLUMN_HEAD_DIM for user in t_node.users)
 
 
 def release_pending() -> int:
@@ -645,6 +662,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         weight = ctx.tensor(node.args[0], gm)
         if weight is None:
+            continue
+        if ctx.options.out_layout == "original" and _reads_columns(node):
+            ctx.counters.add("out_layout_original")  # the op reads this view as it is
             continue
         if relaid_out(weight):  # in place already: the view is the layout the kernels read
             ctx.counters.add("relayout_in_place")

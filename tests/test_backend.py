@@ -167,6 +167,42 @@ def test_in_place_relayout_keeps_no_second_copy(tiny, arch):
 
 
 @pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_original_out_layout_leaves_the_output_projections_in_place(tiny, arch):
+    """``out_layout="original"``: the attention output projections that sparse ops read keep
+    their ``[d_out, H * head_dim]`` parameters (the op reads the ``aten.t`` view, which the
+    CUDA launcher sends to the column-reading kernel), the MLP's down projections are still
+    re-laid out, and the logits are those of the default layout."""
+    options = {"selector": "fixed", "mlp_density": 0.5, "attention_density": 0.5}
+    layers = tiny(arch).config.num_hidden_layers
+    logits, counters, swapped = {}, {}, {}
+    for layout in ("transposed", "original"):
+        model = tiny(arch)  # the same seeded weights each time
+        captured = []
+
+        def backend(gm, example_inputs, layout=layout, captured=captured):
+            compiled = dejavu_compile.backend.dejavu_backend(
+                gm, example_inputs, options={**options, "out_layout": layout})
+            captured.append(dejavu_compile.backend._REPORTS[-1].counters)
+            return compiled
+
+        with torch.no_grad():
+            logits[layout] = _decode_logits(torch.compile(model, backend=backend), prompt(),
+                                            steps=3)
+        counters[layout] = captured
+        swapped[layout] = sorted(n.rsplit(".", 2)[-2] for n, p in model.named_parameters()
+                                 if not p.is_contiguous())
+    torch.testing.assert_close(logits["original"], logits["transposed"], **FP32)
+    down = "fc2" if arch == "opt" else "down_proj"
+    out = "out_proj" if arch == "opt" else "o_proj"
+    assert swapped["transposed"] == sorted([down, out] * layers)
+    assert swapped["original"] == [down] * layers
+    assert any(c.get("out_layout_original") == layers for c in counters["original"])
+    assert not any(c.get("out_layout_original") for c in counters["transposed"])
+    with pytest.raises(ValueError, match="out_layout"):
+        dejavu_compile.config.DejavuOptions(out_layout="rows")
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_dense_gemv_takes_the_blocks_one_row_projections(tiny, arch):
     """With ``dense_gemv``, each decode graph's dense block projections (Q, K and V, stacked
     once the recompiled graph finds them so, and the output projection) become

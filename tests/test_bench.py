@@ -522,6 +522,12 @@ def test_a_stopped_kernel_sweep_keeps_its_rows(monkeypatch, tmp_path):
     asked.clear()
     bench.run(["opt-13b"], e2e=False, densities=(0.25,))
     assert "mlp batch" not in asked  # none of its densities asked
+    asked.clear()  # --blocks: only the parts named, in the sweep's order
+    bench.run(["opt-13b"], e2e=False, densities=(0.1,), blocks=("batch", "attention"))
+    assert list(asked) == ["attention_out", "mlp batch"]
+    for bad in ((), ("attention", "heads")):
+        with pytest.raises(ValueError, match="blocks"):
+            bench.run(["opt-13b"], e2e=False, blocks=bad)
     for bad in ((0.0, 0.5), (1.5,), ()):
         with pytest.raises(ValueError, match="densities"):
             bench.run(["opt-13b"], e2e=False, densities=bad)
@@ -654,7 +660,8 @@ def test_isolate_builds_a_child_command_the_cli_reads(monkeypatch):
 
 
 def test_the_cli_passes_the_sweep_densities(monkeypatch):
-    """``dejavu bench --densities`` reaches the sweep; without it, the one default."""
+    """``dejavu bench --densities`` and ``--blocks`` reach the sweep; without them, the one
+    default of each."""
     from dejavu_compile import cli
 
     seen = []
@@ -668,6 +675,12 @@ def test_the_cli_passes_the_sweep_densities(monkeypatch):
     assert cli.main(["bench", "--no-e2e", "--densities", "0.1", "0.8"]) == 0
     assert cli.main(["bench", "--no-e2e"]) == 0
     assert seen == [[0.1, 0.8], list(bench.DENSITIES)]
+    blocks = []
+    monkeypatch.setattr(bench, "run", lambda models, **kw: blocks.append(kw["blocks"]) or run(
+        models, **kw))
+    assert cli.main(["bench", "--no-e2e", "--blocks", "attention"]) == 0
+    assert cli.main(["bench", "--no-e2e"]) == 0
+    assert blocks == [["attention"], list(bench.SWEEP_BLOCKS)]
 
 
 def test_a_child_process_gives_its_code_and_output_or_times_out():

@@ -88,7 +88,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
     kernels, ``dense_gemv``, the split-K decode attention with its mask read in place and its
     chunks merged in the same launch (option ``merge_attention``), which the lower pass puts in
-    place of SDPA) gives the logits of the step with SDPA and the default kernels, to the
+    place of SDPA, and the output projections read on their original layout, option
+    ``out_layout``) gives the logits of the step with SDPA and the default kernels, to the
     tolerance of fp16 sums added in another order; so does the step with zero-filled buffers
     instead of the workspaces kept zero, and a combine launch after the split kernel (option
     ``workspaces`` off and ``merge_attention`` at its default, off).
@@ -109,7 +110,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     for run, mode, extra in (("fill", "dejavu_sparse", {"workspaces": False}),
                              ("default", "dejavu_sparse", {"decode_attention": "never"}),
                              ("variants", "dejavu_store", {"dense_gemv": True,
-                                                           "merge_attention": True})):
+                                                           "merge_attention": True,
+                                                           "out_layout": "original"})):
         torch._dynamo.reset()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "selector": "fixed", "cudagraphs": True,
@@ -128,6 +130,7 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     assert counters["decode_attention_merged"] == \
         counters["decode_attention"] - fill["decode_attention"], counters
     assert counters["workspace[mlp]"] > 0, counters
+    assert counters["out_layout_original"] > 0 and "out_layout_original" not in fill, counters
     scale = results["default"].abs().max().item()
     for run in ("variants", "fill"):  # the zero-filled buffers and combine launches too
         torch.testing.assert_close(results[run], results["default"], atol=2e-2 * scale,
@@ -276,13 +279,16 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
     w1p, w2p = rand(rank, d), rand(n, rank)
     w1, w_up, w2_t = rand(n, d), rand(n, d), rand(n, d)
     wo_t = rand(heads_n * head_dim, d)
+    wo = wo_t.t().contiguous().t()  # the same values on the original layout's storage
+    assert heads.reads_columns(wo, head_dim)
     hidx = torch.tensor([[[1, 4, 6, 9, 12, 15]]], device="cuda")
 
     def step():
         ids = predictor.select_predictor(x, w1p, None, w2p, None, "relu", n // 4, 1, 32)
         y = sparse_mlp.sparse_mlp(x, ids, w1, None, w_up, w2_t, None, "silu")
         z = heads.sparse_head_out(attn, hidx, wo_t, None, head_dim)
-        return ids, y, z
+        z_cols = heads.sparse_head_out(attn, hidx, wo, None, head_dim)  # out_layout original
+        return ids, y, z, z_cols
 
     results = {}
     for on in (False, True):
@@ -304,6 +310,7 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
     for on in (False, True):
         torch.testing.assert_close(results[on][1].double(), want_y, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(results[on][2].double(), want_z, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(results[on][3].double(), want_z, atol=2e-3, rtol=2e-3)
 
 
 def _small_opt(layers: int, hidden: int = 1024) -> torch.nn.Module:

@@ -257,6 +257,36 @@ def test_transposed_views_read_as_contiguous(dtype, gated):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_heads,head_dim,k", [(5, 8, 1), (6, 12, 3), (3, 20, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_head_out_on_the_original_layout(dtype, n_heads, head_dim, k, bias, batch):
+    """The output projection on ``W_o.t()`` (the original ``[d_out, H * head_dim]`` storage,
+    option ``out_layout="original"``) runs ``_head_out_cols_kernel``: one launch, finished
+    outputs, the workspace untouched; one head, several (with a partial last step of the
+    unrolled loop), every head; head widths not a power of two; per-row and union ids."""
+    from dejavu_compile.kernels import ops
+
+    d = 29
+    attn = _rand(batch, 1, n_heads * head_dim, dtype=dtype, seed=3)
+    wo = _rand(d, n_heads * head_dim, dtype=dtype, seed=4)
+    bo = _rand(d, dtype=dtype, seed=5) if bias else None
+    idx = _selection(batch, n_heads, k).view(batch, 1, k)
+    assert heads.reads_columns(wo.t(), head_dim)
+    assert not heads.reads_columns(wo.t().contiguous(), head_dim)
+    assert not heads.reads_columns(wo.t(), 1)  # one-wide units (TEAL) keep the row kernels
+    workspace = torch.zeros(ops.workspace_numel(batch, d), device=DEVICE)
+    for union in (False, True) if batch > 1 else (False,):
+        want = _ref64(ref.sparse_head_out, attn, idx, wo.t(), bo, head_dim, union)
+        got = heads.sparse_head_out(attn, idx, wo.t(), bo, head_dim, union, workspace=workspace)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        torch.testing.assert_close(got, heads.sparse_head_out(attn, idx, wo.t().contiguous(), bo,
+                                                              head_dim, union), **TOL[dtype])
+    assert not workspace.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 # k: union with padding, overlapping, all units; batch: one block of UNION_ROWS rows, two
 @pytest.mark.parametrize("batch,k", [(3, 3), (3, 20), (3, 45), (18, 20)])
 def test_union_selection_kernels(dtype, k, batch):
