@@ -158,6 +158,10 @@ def test_markdown_has_every_section():
     }
     text = bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
     assert "commit `abc1234`" in text and "| m | mlp | 0.1 | 2 | 10.0 us" in text
+    assert "| 25% |  | 100.0 us | 20.0 us |" in text  # a row measured before the copy column
+    copied = {**result, "kernels": [{**result["kernels"][0], "copy_ms": 0.004}]}
+    assert "| 25% | 4.0 us | 100.0 us |" in bench.markdown(copied, "dejavu bench", "abc1234",
+                                                          "2026-11-30")
     assert "| m | hf_compiled |  | 5.00 (4.90-5.10) | 1.50 | 4.50 |" in text  # no operating point
     assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
     assert "| 1.0 | 1.000x |" in text  # the per-step time over the run's hf_compiled
@@ -497,11 +501,14 @@ def test_a_stopped_kernel_sweep_keeps_its_rows(monkeypatch, tmp_path):
         def sweep(name, cfg, *args, densities=None, **kwargs):
             asked[block] = list(densities if densities is not None else args[0])
             for density in asked[block]:
-                yield {"model": name, "block": block, "density": density, "sparse_gbs": 1e3}
+                yield {"model": name, "block": block, "density": density, "sparse_gbs": 1e3,
+                       "bytes": int(density * 100)}
                 if stop:
                     raise KeyboardInterrupt  # the time limit, inside the attention part
         return sweep
 
+    copied = []  # a copy of each size, once per model
+    monkeypatch.setattr(bench, "same_bytes_copy_ms", lambda n: copied.append(n) or n / 1e3)
     monkeypatch.setattr(bench, "_mlp_sweep", part("mlp"))
     monkeypatch.setattr(bench, "_attention_sweep", part("attention_out", stop=True))
     monkeypatch.setattr(bench, "_selector_sweep", part("mlp_selector"))
@@ -514,6 +521,8 @@ def test_a_stopped_kernel_sweep_keeps_its_rows(monkeypatch, tmp_path):
     assert [(r["block"], r["density"]) for r in partial["kernels"]] == [
         ("mlp", 0.1), ("mlp", 0.8), ("attention_out", 0.1)]
     assert partial["kernels"][0]["pct_copy"] == pytest.approx(25.0)
+    assert [r["copy_ms"] for r in partial["kernels"]] == [0.01, 0.08, 0.01]
+    assert copied == [10, 80]
 
     monkeypatch.setattr(bench, "_attention_sweep", part("attention_out"))
     done = bench.run(["opt-13b"], e2e=False, densities=(0.1, 0.8))
