@@ -138,29 +138,37 @@ def _head_out_cols_kernel(
     DOUT, HEADS, HEAD_DIM,
     stride_a, stride_idx, stride_w, stride_out,
     HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
-    PDL: tl.constexpr,
+    EXACT: tl.constexpr, PDL: tl.constexpr,
 ):
     """The output projection on the original ``W_o`` ([d_out, H * head_dim], rows of stride
     ``stride_w``, a selected head's ``head_dim`` columns contiguous in each): each program
-    owns ``BLOCK_M`` output rows and loops over every selected head, so it stores finished,
-    biased outputs in their dtype, with no atomics, partial sums or counters."""
+    owns ``BLOCK_M`` output rows and loops over every selected head, ``UNROLL`` heads a step
+    (a ``[BLOCK_M, UNROLL * BLOCK_H]`` tile), so it stores finished, biased outputs in their
+    dtype, with no atomics, partial sums or counters. The next step's head ids load while
+    this step's weights do, so a step waits on one memory latency, not two (ids, then the
+    weights they address). ``EXACT``: ``head_dim`` is ``BLOCK_H`` (a power of two), so each
+    head's columns are one contiguous, aligned run the loads can vectorise."""
     row, pid = tl.program_id(0), tl.program_id(1)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < DOUT
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < HEAD_DIM
+    offs_k = tl.arange(0, UNROLL * BLOCK_H)
+    slot_k, in_k = offs_k // BLOCK_H, offs_k % BLOCK_H
     w_rows = w_ptr + offs_m.to(tl.int64)[:, None] * stride_w
-    wait_inputs(PDL)  # the activations are the kernel before's
-    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    ids_ptr = idx_ptr + row * stride_idx
+    wait_inputs(PDL)  # the activations and ids are the kernels' before
+    heads = tl.load(ids_ptr + slot_k, mask=slot_k < HEADS, other=-1)
+    acc = tl.zeros([BLOCK_M, UNROLL * BLOCK_H], dtype=tl.float32)
     for s in range(0, HEADS, UNROLL):
-        for u in tl.static_range(UNROLL):
-            slot = s + u
-            head = tl.load(idx_ptr + row * stride_idx + slot, mask=slot < HEADS, other=-1)
-            cols = head.to(tl.int64) * HEAD_DIM + offs_h
-            ok = mask_h & (head >= 0)  # -1: past the selection, or union padding
-            a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + cols[None, :], mask=mask_m[:, None] & ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
+        cur = heads
+        nxt = s + UNROLL + slot_k
+        heads = tl.load(ids_ptr + nxt, mask=nxt < HEADS, other=-1)
+        cols = cur.to(tl.int64) * HEAD_DIM + in_k
+        if EXACT:
+            cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_H), BLOCK_H)
+        ok = (cur >= 0) & (in_k < HEAD_DIM)  # -1: past the selection, or union padding
+        a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=mask_m[:, None] & ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, 1)
     if HAS_B:
         out += tl.load(b_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
@@ -298,7 +306,8 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
                   rows, sel, wo_t, b if b is not None else wo_t, out,
                   d_out, sel.shape[1], head_dim,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(1), out.stride(0),
-                  HAS_B=b is not None, BLOCK_H=triton.next_power_of_2(head_dim))
+                  HAS_B=b is not None, BLOCK_H=triton.next_power_of_2(head_dim),
+                  EXACT=triton.next_power_of_2(head_dim) == head_dim)
         return out.reshape(*attn.shape[:-1], d_out)
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
     fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED
