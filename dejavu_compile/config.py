@@ -11,14 +11,21 @@ SELECTORS = ("oracle", "predictor", "fixed", "gate", "threshold")
 GRANULARITIES = ("head", "group")
 INNER_COMPILERS = ("inductor", "eager")
 RELAYOUTS = ("in_place", "copy")
-OUT_LAYOUTS = ("transposed", "original")
+OUT_LAYOUTS = ("auto", "transposed", "original")
 BATCH_SELECTIONS = ("union", "row")
 DECODE_ATTENTIONS = ("cuda", "always", "never")
 
 DEFAULT_INNER = "inductor"
 DEFAULT_GRANULARITY = "head"
 DEFAULT_RELAYOUT = "in_place"
-DEFAULT_OUT_LAYOUT = "transposed"
+DEFAULT_OUT_LAYOUT = "auto"
+# option out_layout "auto": the original layout for the output projections that read at most
+# this fraction of their heads. Measured on the H200 (BENCHMARKS.md, twenty-fifth session): at
+# head density 0.1 the original layout's kernel took 3.3 against 5.7 us (OPT-13B) and 2.9
+# against 4.9 (Llama-3-8B); at 0.25 8.1 against 7.8 and 5.4 against 6.5; at 0.5 and 0.8 the
+# transposed layout's was as fast or faster on both shapes (12.2 against 12.3 us, 8.9 against
+# 9.3; 17.9 against 18.3, 11.8 against 15.0)
+ORIGINAL_LAYOUT_MAX_DENSITY = 0.25
 DEFAULT_BATCH_SELECTION = "union"
 DEFAULT_DECODE_ATTENTION = "cuda"
 
@@ -72,10 +79,13 @@ class DejavuOptions:
     out_layout: the layout the attention output projections' sparse ops read:
         ``"transposed"`` (re-laid out as ``relayout`` says, a head's rows contiguous, paper
         section 4.4; its kernel splits the selected rows over programs that add into fp32 with
-        atomics) or ``"original"`` (the parameter untouched, ``[d_out, H * head_dim]``: each
+        atomics), ``"original"`` (the parameter untouched, ``[d_out, H * head_dim]``: each
         output row's selected heads are ``head_dim`` contiguous values, and one program per
         block of output rows reads all of them and stores finished outputs, no atomics;
-        ``kernels/heads.py::_head_out_cols_kernel``). No memory either way.
+        ``kernels/heads.py::_head_out_cols_kernel``), or ``"auto"``: on CUDA, per layer, the
+        original layout where the layer's head density is at most
+        ``ORIGINAL_LAYOUT_MAX_DENSITY``, where its kernel was the faster, the transposed one
+        above it and on CPU (whose reference gathers a head's rows). No memory either way.
     batch_selection: how a decode step of several sequences selects: ``"union"`` (every row
         computes the units any row selected, so the weights read are the union's, once for the
         batch; a row's output then depends on the others' selections, never with fewer units

@@ -18,8 +18,9 @@ such weight is stored as ``[in, out]`` contiguous (paper section 4.4), in one of
   every graph), reported as ``relayout_bytes``: what a model costs when its parameters must not
   change layout.
 
-With option ``out_layout="original"`` the attention output projections are left out of the
-re-layout: their sparse ops read the ``aten.t`` view of the ``[d_out, H * head_dim]``
+With option ``out_layout="original"`` (and with ``"auto"``, the default, on CUDA for the
+layers that read at most a quarter of their heads) the attention output projections are left
+out of the re-layout: their sparse ops read the ``aten.t`` view of the ``[d_out, H * head_dim]``
 parameter as it is, where each output row's selected heads are ``head_dim`` contiguous values
 (``kernels/heads.py::_head_out_cols_kernel``, one program per block of output rows, no atomics).
 
@@ -112,16 +113,33 @@ def relaid_out(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.t().is_contiguous()
 
 
-def _reads_columns(t_node: fx.Node) -> bool:
-    """Whether every use of the weight view ``t_node`` is an output projection of heads wide
-    enough to read along the original layout's columns (``heads.reads_columns``)."""
+def _keeps_original(t_node: fx.Node, shape, cuda: bool, layout: str) -> bool:
+    """Whether option ``out_layout`` (``layout``) leaves the weight (of ``shape``, on CUDA or
+    not) of the view ``t_node`` in its original ``[d_out, H * head_dim]`` layout: every use is
+    an output projection of heads wide enough to read along its columns
+    (``heads.reads_columns``), and with ``"auto"`` the weight is on CUDA (the CPU reference
+    gathers a head's rows, which the transposed layout keeps contiguous) and each use reads at
+    most ``ORIGINAL_LAYOUT_MAX_DENSITY`` of the heads."""
     from dejavu_compile.kernels.ops import COLUMN_HEAD_DIM
 
-    def head_dim(user):
-        return user.args[4] if len(user.args) > 4 else user.kwargs["head_dim"]
+    from dejavu_compile.config import ORIGINAL_LAYOUT_MAX_DENSITY
 
-    return all(is_op(user, "sparse_head_out") and user.args[2] is t_node
-               and head_dim(user) >= COLUMN_HEAD_DIM for user in t_node.users)
+    if layout == "transposed" or (layout == "auto" and not cuda):
+        return False
+
+    def fits(user) -> bool:
+        if not (is_op(user, "sparse_head_out") and user.args[2] is t_node):
+            return False
+        head_dim = user.args[4] if len(user.args) > 4 else user.kwargs.get("head_dim", 0)
+        if head_dim < COLUMN_HEAD_DIM:
+            return False
+        if layout == "original":
+            return True
+        ids = fake_value(user.args[1])
+        return ids is not None and \
+            ids.shape[-1] <= ORIGINAL_LAYOUT_MAX_DENSITY * (shape[1] // head_dim)
+
+    return bool(t_node.users) and all(fits(user) for user in t_node.users)
 
 
 def release_pending() -> int:
@@ -663,7 +681,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         weight = ctx.tensor(node.args[0], gm)
         if weight is None:
             continue
-        if ctx.options.out_layout == "original" and _reads_columns(node):
+        if _keeps_original(node, weight.shape, weight.is_cuda, ctx.options.out_layout):
             ctx.counters.add("out_layout_original")  # the op reads this view as it is
             continue
         if relaid_out(weight):  # in place already: the view is the layout the kernels read

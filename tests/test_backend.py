@@ -167,37 +167,59 @@ def test_in_place_relayout_keeps_no_second_copy(tiny, arch):
 
 
 @pytest.mark.parametrize("arch", ["opt", "llama"])
-def test_original_out_layout_leaves_the_output_projections_in_place(tiny, arch):
+def test_original_out_layout_leaves_the_output_projections_in_place(tiny, arch, monkeypatch):
     """``out_layout="original"``: the attention output projections that sparse ops read keep
     their ``[d_out, H * head_dim]`` parameters (the op reads the ``aten.t`` view, which the
     CUDA launcher sends to the column-reading kernel), the MLP's down projections are still
-    re-laid out, and the logits are those of the default layout."""
-    options = {"selector": "fixed", "mlp_density": 0.5, "attention_density": 0.5}
+    re-laid out, and the logits are those of the transposed layout. ``"auto"`` (the default)
+    keeps the transposed layout on CPU; on CUDA it would keep the original at head density
+    0.25 (1 head of 4), not at 0.5, as the lower pass decides it for these graphs."""
+    from dejavu_compile.passes import lower
+
     layers = tiny(arch).config.num_hidden_layers
-    logits, counters, swapped = {}, {}, {}
-    for layout in ("transposed", "original"):
+
+    def run(layout: str, density: float):
         model = tiny(arch)  # the same seeded weights each time
         captured = []
 
-        def backend(gm, example_inputs, layout=layout, captured=captured):
+        def backend(gm, example_inputs):
             compiled = dejavu_compile.backend.dejavu_backend(
-                gm, example_inputs, options={**options, "out_layout": layout})
+                gm, example_inputs, options={"selector": "fixed", "mlp_density": 0.5,
+                                             "attention_density": density,
+                                             "out_layout": layout})
             captured.append(dejavu_compile.backend._REPORTS[-1].counters)
             return compiled
 
         with torch.no_grad():
-            logits[layout] = _decode_logits(torch.compile(model, backend=backend), prompt(),
-                                            steps=3)
-        counters[layout] = captured
-        swapped[layout] = sorted(n.rsplit(".", 2)[-2] for n, p in model.named_parameters()
-                                 if not p.is_contiguous())
-    torch.testing.assert_close(logits["original"], logits["transposed"], **FP32)
+            logits = _decode_logits(torch.compile(model, backend=backend), prompt(), steps=3)
+        swapped = sorted(n.rsplit(".", 2)[-2] for n, p in model.named_parameters()
+                         if not p.is_contiguous())
+        kept = max(c.get("out_layout_original", 0) for c in captured)
+        return logits, swapped, kept
+
+    decided = []  # what "auto" decides for these graphs' weights were they on CUDA
+    real = lower._keeps_original
+
+    def keeps(t_node, shape, cuda, layout):
+        if layout == "auto" and all(lower.is_op(u, "sparse_head_out") for u in t_node.users):
+            decided.append(real(t_node, shape, True, layout))
+        return real(t_node, shape, cuda, layout)
+
     down = "fc2" if arch == "opt" else "down_proj"
     out = "out_proj" if arch == "opt" else "o_proj"
-    assert swapped["transposed"] == sorted([down, out] * layers)
-    assert swapped["original"] == [down] * layers
-    assert any(c.get("out_layout_original") == layers for c in counters["original"])
-    assert not any(c.get("out_layout_original") for c in counters["transposed"])
+    monkeypatch.setattr(lower, "_keeps_original", keeps)
+    for density, auto_keeps in ((0.5, False), (0.25, True)):
+        want, swapped, kept = run("transposed", density)
+        assert swapped == sorted([down, out] * layers) and kept == 0
+        for layout in ("original", "auto"):
+            decided.clear()
+            got, swapped, kept = run(layout, density)
+            torch.testing.assert_close(got, want, **FP32)
+            original = layout == "original"  # on CPU, "auto" is the transposed layout
+            assert swapped == (sorted([down] * layers) if original
+                               else sorted([down, out] * layers)), (layout, density)
+            assert kept == (layers if original else 0), (layout, density)
+        assert decided and set(decided) == {auto_keeps}, (density, decided)
     with pytest.raises(ValueError, match="out_layout"):
         dejavu_compile.config.DejavuOptions(out_layout="rows")
 
