@@ -282,7 +282,7 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
 def reads_columns(wo_t: torch.Tensor, head_dim: int) -> bool:
     """Whether the output projection's weight is the transposed view of the original
     ``[d_out, H * head_dim]`` W_o (column stride 1: the lower pass left it in place, option
-    ``head_out_layout``), read by ``_head_out_cols_kernel``: each output row's selected heads
+    ``out_layout``), read by ``_head_out_cols_kernel``: each output row's selected heads
     are ``head_dim`` contiguous values. One-wide units (the TEAL rewrite's) stay with the
     row-gathered kernels, whatever the layout."""
     return wo_t.stride(0) == 1 and wo_t.shape[1] > 1 and head_dim >= ops.COLUMN_HEAD_DIM
