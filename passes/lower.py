@@ -681,11 +681,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         weight = ctx.tensor(node.args[0], gm)
         if weight is None:
             continue
-        if _keeps_original(node, weight.shape, weight.is_cuda, ctx.options.out_layout):
-            ctx.counters.add("out_layout_original")  # the op reads this view as it is
-            continue
         if relaid_out(weight):  # in place already: the view is the layout the kernels read
             ctx.counters.add("relayout_in_place")
+            continue
+        if _keeps_original(node, weight.shape, weight.is_cuda, ctx.options.out_layout):
+            ctx.counters.add("out_layout_original")  # the op reads this view as it is
             continue
         if ctx.options.relayout == "in_place" and isinstance(weight, torch.nn.Parameter):
             _PENDING[weight] = True  # this graph reads the strided view, once

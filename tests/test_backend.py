@@ -224,6 +224,34 @@ def test_original_out_layout_leaves_the_output_projections_in_place(tiny, arch, 
         dejavu_compile.config.DejavuOptions(out_layout="rows")
 
 
+def test_original_out_layout_reads_a_weight_already_re_laid_out_as_it_is(tiny):
+    """A model compiled with the transposed layout (its output projections re-laid out in
+    place), then with ``out_layout="original"``: the second compilation reads the re-laid-out
+    weights as they are (``relayout_in_place``, not ``out_layout_original``, which would
+    claim the column-reading kernel) and decodes the same logits."""
+    model = tiny("opt")
+    layers = model.config.num_hidden_layers
+    options = {"selector": "fixed", "mlp_density": 0.5, "attention_density": 0.5}
+    logits, counters = [], []
+    for layout in ("transposed", "original"):
+        torch._dynamo.reset()
+        captured = []
+
+        def backend(gm, example_inputs, layout=layout, captured=captured):
+            compiled = dejavu_compile.backend.dejavu_backend(
+                gm, example_inputs, options={**options, "out_layout": layout})
+            captured.append(dejavu_compile.backend._REPORTS[-1].counters)
+            return compiled
+
+        with torch.no_grad():
+            logits.append(_decode_logits(torch.compile(model, backend=backend), prompt(),
+                                         steps=2))
+        counters.append(captured)
+    assert not any(c.get("out_layout_original") for c in counters[1])
+    assert max(c.get("relayout_in_place", 0) for c in counters[1]) == 2 * layers
+    torch.testing.assert_close(logits[1], logits[0], **FP32)
+
+
 @pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_dense_gemv_takes_the_blocks_one_row_projections(tiny, arch):
     """With ``dense_gemv``, each decode graph's dense block projections (Q, K and V, stacked
