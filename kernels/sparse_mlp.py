@@ -68,6 +68,7 @@ from .triton_common import (
     reduce_slots,
     selection,
     shared,
+    start_dependents,
     store_configs,
     stores_rows,
     tile_configs,
@@ -94,8 +95,15 @@ def _up_kernel(
     stride_part,
     # meta-parameters
     GATED: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    TILES: tl.constexpr, PDL: tl.constexpr,
+    # AFTER: the kernel before is the op's zero-fill, so the ids and x are older than it: they
+    # load before the wait, and the down kernel may start now. Otherwise (a workspace, no fill)
+    # they may be that kernel's own outputs (the selector's ids): wait first
+    TILES: tl.constexpr, PDL: tl.constexpr, AFTER: tl.constexpr,
 ):
+    if AFTER:
+        start_dependents(PDL)  # the down kernel loads its first weights while these run
+    else:
+        wait_inputs(PDL)
     row, pid_n, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < K
@@ -111,7 +119,8 @@ def _up_kernel(
         acc = add_rows(acc, w1_ptr, neurons, valid, stride_w1, offs_d, mask_d, x)
         if GATED:
             acc_up = add_rows(acc_up, wup_ptr, neurons, valid, stride_wup, offs_d, mask_d, x)
-    wait_inputs(PDL)  # the targets are the zero-fill's, the kernel before
+    if AFTER:
+        wait_inputs(PDL, True)  # the targets are the zero-fill's, the kernel before
     out = pid_d * stride_part + row * stride_pre + offs_n
     add_partial(pre_ptr + out, tl.sum(acc, 1), mask_n, ATOMIC)
     if GATED:
@@ -152,6 +161,32 @@ def _up_store_kernel(
     zero_share(zero_ptr, ZERO, 256)
 
 
+@triton.jit
+def _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o):
+    """The ids at ``offs_n`` (-1 past ``K``) and their rows of ``W2_t`` at ``offs_o``."""
+    neurons = tl.load(ids + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+    valid = neurons >= 0  # -1: past K or union padding
+    w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
+                 mask=valid[:, None] & mask_o[None, :], other=0.0)
+    return neurons, w2
+
+
+@triton.jit
+def _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT: tl.constexpr,
+              HAS_B1: tl.constexpr, GATED: tl.constexpr):
+    """``acc`` plus the tile's products: ``w2`` times ``h = act(pre + b1) [* up]``."""
+    mask_n = offs_n < K
+    valid = neurons >= 0
+    h = tl.load(pre_row + offs_n, mask=mask_n, other=0.0)
+    if HAS_B1:
+        h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
+    h = apply_act(h, ACT)
+    if GATED:
+        h = h * tl.load(up_row + offs_n, mask=mask_n, other=0.0)
+    h = tl.where(valid, h, 0.0)
+    return acc + w2.to(tl.float32) * h[:, None]
+
+
 # the weight's column stride is in the key: a transposed view (the one call before the in-place
 # re-layout) must not pick the tiles that every later call, on the re-laid-out rows, runs with
 # CLEAN zeroes the pre-activations once read: the autotuner restores them between its trials
@@ -181,25 +216,24 @@ def _down_kernel(
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
+    ids = idx_ptr + row * stride_idx
+    pre_row, up_row = pre_ptr + row * stride_pre, up_ptr + row * stride_pre
+    # the first tile's ids and weights are older than the up kernel: loaded before the wait,
+    # while the up kernel may still run (``start_dependents``)
+    offs_n = pid_n * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
+    neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o)
     wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
     # products summed over the tiles in a 2-d accumulator and reduced over neurons once at the
-    # end; a loop (not unrolled), which Triton software-pipelines: its loads run ahead
-    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for t in range(TILES):
+    # end; a loop after the first tile (not unrolled), which Triton software-pipelines: its
+    # loads run ahead
+    acc = _down_add(tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32), w2, neurons, pre_row,
+                    up_row, b1_ptr, offs_n, K, ACT, HAS_B1, GATED)
+    for t in range(1, TILES):
         offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < K
-        neurons = tl.load(idx_ptr + row * stride_idx + offs_n, mask=mask_n, other=-1).to(tl.int64)
-        valid = neurons >= 0  # -1: past K or union padding
-        w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                     mask=valid[:, None] & mask_o[None, :], other=0.0)
-        h = tl.load(pre_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
-        if HAS_B1:
-            h += tl.load(b1_ptr + neurons, mask=valid, other=0.0).to(tl.float32)
-        h = apply_act(h, ACT)
-        if GATED:
-            h = h * tl.load(up_ptr + row * stride_pre + offs_n, mask=mask_n, other=0.0)
-        h = tl.where(valid, h, 0.0)
-        acc += w2.to(tl.float32) * h[:, None]
+        neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n,
+                                 stride_w2o)
+        acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
+                        GATED)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
     if FUSED:
@@ -331,7 +365,10 @@ def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, dev
             None)
 
 
-def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool):
+def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool,
+               after: bool = True):
+    """``after``: the kernel launched last is the op's own (its zero-fill or gather), so the
+    up kernel may load the ids and x before it waits (``_up_kernel``'s ``AFTER``)."""
     d, k, n_rows = rows.shape[1], sel.shape[1], rows.shape[0]
     if shared(sel, n_rows):
         launch(_up_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -350,7 +387,8 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
                d, k,
                rows.stride(0), idx_stride(sel), w.stride(0), w_up.stride(0), parts.stride(2),
                parts.stride(0) if det else 0,
-               GATED=gated, ATOMIC=not det, fixed=TILE_LOOP_FIXED if det else None)
+               GATED=gated, ATOMIC=not det, AFTER=after,
+               fixed=TILE_LOOP_FIXED if det else None)
 
 
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
@@ -417,7 +455,9 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
         return fin.reshape(*x.shape[:-1], d_out)
     pre, out, cnt, fin, clean = _targets(det, 2 if gated else 1, n_rows, k, d, d_out, x.device,
                                          x.dtype, union=union_ids, workspace=workspace)
-    _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det)
+    # on a workspace no fill runs: the kernel before the up kernel is another op's
+    _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
+               after=clean is None)
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)

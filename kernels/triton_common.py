@@ -146,11 +146,24 @@ def pdl_meta() -> dict:
 
 
 @triton.jit
-def wait_inputs(PDL: tl.constexpr):
+def wait_inputs(PDL: tl.constexpr, STARTED: tl.constexpr = False):
     """Under programmatic launch: wait until the kernel before this one has finished and its
-    writes are visible, then let the kernel after this one start."""
+    writes are visible, then let the kernel after this one start (unless ``STARTED``: this
+    kernel let it start already, ``start_dependents``)."""
     if PDL:
         gdc_wait()
+        if not STARTED:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def start_dependents(PDL: tl.constexpr):
+    """Under programmatic launch: let the kernel after this one start now, before this one's
+    loads (then ``wait_inputs(PDL, True)``). Only a kernel whose predecessor is finished may
+    (the op's zero-fill, a plain launch): what its successor loads before its own wait is then
+    older than both. The sparse MLP's up kernel does, so that the down kernel's programs load
+    their first weights as the up kernel's last ones drain."""
+    if PDL:
         gdc_launch_dependents()
 
 

@@ -284,10 +284,12 @@ def test_auto_out_layout_at_low_head_density_matches_the_transposed_one(tmp_path
 
 def test_programmatic_launch_matches_the_reference(monkeypatch):
     """With ``DEJAVU_PDL=1`` (programmatic dependent launch, Hopper and later) a selector
-    followed by the sparse MLP and head kernels, captured in a CUDA graph and replayed, gives
-    the ids of plain launches exactly (the selector has no atomics) and outputs within the
-    reference's tolerance: no kernel reads its predecessor's output before that one finished."""
-    from dejavu_compile.kernels import heads, predictor, sparse_mlp
+    followed by the sparse MLP (right after it on a workspace, with no fill between, and then
+    with its own fill) and the head kernels, captured in a CUDA graph and replayed on a new
+    input each time, gives the ids of plain launches exactly (the selector has no atomics) and
+    outputs within the reference's tolerance: no kernel reads its predecessor's output before
+    that one finished (the last replay's ids would give other outputs)."""
+    from dejavu_compile.kernels import heads, ops, predictor, sparse_mlp
     from dejavu_compile.kernels import reference as ref
     from dejavu_compile.kernels.triton_common import PDL_ENV, programmatic
 
@@ -300,19 +302,23 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
 
     d, n, rank, heads_n, head_dim = 1024, 4096, 64, 16, 64
     x, attn = rand(1, 1, d), rand(1, 1, heads_n * head_dim)
+    inputs = [rand(1, 1, d) for _ in range(12)]
     w1p, w2p = rand(rank, d), rand(n, rank)
     w1, w_up, w2_t = rand(n, d), rand(n, d), rand(n, d)
     wo_t = rand(heads_n * head_dim, d)
     wo = wo_t.t().contiguous().t()  # the same values on the original layout's storage
     assert heads.reads_columns(wo, head_dim)
     hidx = torch.tensor([[[1, 4, 6, 9, 12, 15]]], device="cuda")
+    workspace = torch.zeros(ops.workspace_numel(1, d, n // 4, True), device="cuda")
 
     def step():
         ids = predictor.select_predictor(x, w1p, None, w2p, None, "relu", n // 4, 1, 32)
+        y_ws = sparse_mlp.sparse_mlp(x, ids, w1, None, w_up, w2_t, None, "silu",
+                                     workspace=workspace)
         y = sparse_mlp.sparse_mlp(x, ids, w1, None, w_up, w2_t, None, "silu")
         z = heads.sparse_head_out(attn, hidx, wo_t, None, head_dim)
         z_cols = heads.sparse_head_out(attn, hidx, wo, None, head_dim)  # out_layout original
-        return ids, y, z, z_cols
+        return ids, y_ws, y, z, z_cols
 
     results = {}
     for on in (False, True):
@@ -322,19 +328,25 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = step()
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        results[on] = [t.clone() for t in out]
-    ids = results[False][0]
-    assert torch.equal(results[True][0], ids)
-    want_y = ref.sparse_mlp(x.double(), ids, w1.double(), None, w_up.double(), w2_t.double(),
-                            None, "silu")
+        results[on] = []
+        for value in inputs:
+            x.copy_(value)
+            graph.replay()  # once: a replay that read the last one's ids would show
+            torch.cuda.synchronize()
+            results[on].append([t.clone() for t in out])
     want_z = ref.sparse_head_out(attn.double(), hidx, wo_t.double(), None, head_dim)
-    for on in (False, True):
-        torch.testing.assert_close(results[on][1].double(), want_y, atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(results[on][2].double(), want_z, atol=2e-3, rtol=2e-3)
-        torch.testing.assert_close(results[on][3].double(), want_z, atol=2e-3, rtol=2e-3)
+    for i, value in enumerate(inputs):
+        ids = results[False][i][0]
+        assert torch.equal(results[True][i][0], ids)
+        want_y = ref.sparse_mlp(value.double(), ids, w1.double(), None, w_up.double(),
+                                w2_t.double(), None, "silu")
+        for on in (False, True):
+            for got in results[on][i][1:3]:
+                torch.testing.assert_close(got.double(), want_y, atol=2e-3, rtol=2e-3)
+            for got in results[on][i][3:]:
+                torch.testing.assert_close(got.double(), want_z, atol=2e-3, rtol=2e-3)
+    assert not any(torch.equal(results[False][0][0], r[0]) for r in results[False][1:])
+    assert not workspace.any()
 
 
 def _small_opt(layers: int, hidden: int = 1024) -> torch.nn.Module:

@@ -659,6 +659,35 @@ def test_tile_kernels_loop_over_slices_of_d(deterministic, monkeypatch):
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
+    """The down kernel loads its first neuron tile before it waits for the up kernel and the
+    others in its loop: with one tile a program (no loop) and three (the last past k), per-row
+    ids, with and without a workspace, against the reference; the workspace left zero."""
+    import triton
+    from dejavu_compile.kernels import ops
+    from dejavu_compile.kernels import triton_common as tc
+
+    cfg = {**tc.TILE_FIXED, "TILES": tiles}
+    monkeypatch.setattr(sparse_mlp._down_kernel, "configs", [triton.Config(
+        {k: v for k, v in cfg.items() if k != "num_warps"}, num_warps=cfg["num_warps"])])
+    d, n, d_out, k = 37, 90, 29, 2 * tc.TILE_FIXED["BLOCK_N"] + 3  # 3 tiles, the last short
+    x = _rand(2, 1, d, dtype=torch.float32, seed=0)
+    w1, w_up = _rand(n, d, dtype=torch.float32, seed=1), _rand(n, d, dtype=torch.float32, seed=2)
+    w2_t, b2 = _rand(n, d_out, dtype=torch.float32, seed=3), _rand(d_out, dtype=torch.float32,
+                                                                   seed=4)
+    idx = _selection(2, n, k).view(2, 1, k)
+    for gate in (None, w_up):
+        want = _ref64(ref.sparse_mlp, x, idx, w1, None, gate, w2_t, b2, "relu")
+        workspace = torch.zeros(ops.workspace_numel(2, d_out, k, gate is not None),
+                                device=DEVICE)
+        for space in (None, workspace):
+            got = sparse_mlp.sparse_mlp(x, idx, w1, None, gate, w2_t, b2, "relu",
+                                        workspace=space)
+            torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+        assert not workspace.any()
+
+
 # buckets one program ranks (Triton), and buckets of 1050 units, past MAX_BUCKET (PyTorch)
 @pytest.mark.parametrize("units,buckets", [(96, 4), (2100, 2)])
 def test_selector_writes_into_a_given_output(units, buckets):
