@@ -114,8 +114,11 @@ def idx_stride(sel: torch.Tensor) -> int:
 # Programmatic dependent launch: a kernel launched with it may start while the kernel before
 # it in the stream finishes; it loads what older kernels wrote (ids, activations, weights),
 # then waits for its predecessor (``wait_inputs``) before reading what that one wrote or
-# adding into its buffers, and lets its own successor start. Each sparse op launches its
-# zero-fill right before its first kernel, so that kernel's predecessor is always the fill.
+# adding into its buffers, and lets its own successor start. A sparse op launches its
+# zero-fill right before its first kernel, so that kernel's predecessor is the fill, except on
+# a workspace (no fill): there the first kernel's predecessor is another op's and may have
+# written its ids or input, so it waits before it loads anything (the sparse MLP's up kernel,
+# the output projection's kernels).
 # On by default where it can be (Hopper or later, compiled Triton, not deterministic mode):
 # OPT-13B's captured lazy K/V step took 4.19 and 4.20 ms with it against 4.56 and 4.29 without,
 # side by side on an H200 (BENCHMARKS.md, twentieth session). ``DEJAVU_PDL=0`` turns it off;

@@ -688,6 +688,38 @@ def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
         assert not workspace.any()
 
 
+def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
+    """Under programmatic launch the up kernel may load its ids and x before it waits only when
+    the kernel before it is the op's own (the zero-fill, or the gated op's gather): on a
+    workspace no fill runs, the kernel before is another op's (the selector, which writes the
+    ids), so the up kernel is launched to wait first (``AFTER`` false)."""
+    from dejavu_compile.kernels import ops
+
+    launched = []
+    monkeypatch.setattr(sparse_mlp, "launch",
+                        lambda kernel, grid, *args, **meta: launched.append((kernel, meta)))
+    d, n, d_out, k = 37, 90, 29, 11
+    x = _rand(1, 1, d, dtype=torch.float32, seed=0)
+    w1, w_up = _rand(n, d, dtype=torch.float32, seed=1), _rand(n, d, dtype=torch.float32, seed=2)
+    w2_t = _rand(n, d_out, dtype=torch.float32, seed=3)
+    idx = _selection(1, n, k).view(1, 1, k)
+
+    def after(op, *args, **kwargs):
+        launched.clear()
+        op(*args, **kwargs)
+        ups = [meta["AFTER"] for kernel, meta in launched if kernel is sparse_mlp._up_kernel]
+        assert len(ups) == 1, launched
+        return ups[0]
+
+    for gate in (None, w_up):
+        space = torch.zeros(ops.workspace_numel(1, d_out, k, gate is not None), device=DEVICE)
+        args = (x, idx, w1, None, gate, w2_t, None, "relu")
+        assert after(sparse_mlp.sparse_mlp, *args)
+        assert not after(sparse_mlp.sparse_mlp, *args, workspace=space)
+    g = _rand(1, 1, n, dtype=torch.float32, seed=4)
+    assert after(sparse_mlp.sparse_mlp_gated, x, idx, g, w_up, w2_t, None, "silu")
+
+
 # buckets one program ranks (Triton), and buckets of 1050 units, past MAX_BUCKET (PyTorch)
 @pytest.mark.parametrize("units,buckets", [(96, 4), (2100, 2)])
 def test_selector_writes_into_a_given_output(units, buckets):
