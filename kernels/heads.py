@@ -301,13 +301,13 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     if reads_columns(wo_t, head_dim):
         out = torch.empty(rows.shape[0], d_out, device=attn.device, dtype=attn.dtype)
+        block_h = triton.next_power_of_2(head_dim)
         tc.launch(_head_out_cols_kernel,
                   lambda m: (rows.shape[0], triton.cdiv(d_out, m["BLOCK_M"])),
                   rows, sel, wo_t, b if b is not None else wo_t, out,
                   d_out, sel.shape[1], head_dim,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(1), out.stride(0),
-                  HAS_B=b is not None, BLOCK_H=triton.next_power_of_2(head_dim),
-                  EXACT=triton.next_power_of_2(head_dim) == head_dim)
+                  HAS_B=b is not None, BLOCK_H=block_h, EXACT=block_h == head_dim)
         return out.reshape(*attn.shape[:-1], d_out)
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
     fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED

@@ -62,6 +62,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dejavu_compile.config import ORIGINAL_LAYOUT_MAX_DENSITY
+
 from .context import (
     Linear,
     PassContext,
@@ -121,8 +123,6 @@ def _keeps_original(t_node: fx.Node, shape, cuda: bool, layout: str) -> bool:
     gathers a head's rows, which the transposed layout keeps contiguous) and each use reads at
     most ``ORIGINAL_LAYOUT_MAX_DENSITY`` of the heads."""
     from dejavu_compile.kernels.ops import COLUMN_HEAD_DIM
-
-    from dejavu_compile.config import ORIGINAL_LAYOUT_MAX_DENSITY
 
     if layout == "transposed" or (layout == "auto" and not cuda):
         return False
