@@ -101,8 +101,7 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     between the default step with and without CUDA graphs; with fixed units, by 0.0024."""
     from dejavu_compile.bench import kernel_switches, random_profile
 
-    model = bench.small_llama(6)
-    profile = random_profile(model, 0.25, 0.5, 64, tmp_path / "variants.yaml")
+    profile = random_profile(bench.small_llama(6), 0.25, 0.5, 64, tmp_path / "variants.yaml")
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(1))
     results = {}
@@ -112,6 +111,10 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
                              ("variants", "dejavu_store", {"dense_gemv": True,
                                                            "merge_attention": True,
                                                            "out_layout": "original"})):
+        # a model of its own each run (the same seeded weights): an earlier run's in-place
+        # re-layout of the output projections would be read as it is (passes/lower.py), not
+        # on the original layout that the variants ask for
+        model = bench.small_llama(6)
         torch._dynamo.reset()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
                             options={"profile": profile, "selector": "fixed", "cudagraphs": True,
@@ -119,7 +122,7 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
         with kernel_switches(mode):
             _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
             results[run] = _teacher_forced_logits(model, fwd, tokens, 24)
-        counts[run] = dejavu_compile.report(model).counters  # every graph compiled so far
+        counts[run] = dejavu_compile.report(model).counters  # this run's graphs
     counters = counts["variants"]
     assert counters["dense_gemv"] > 0 and counters["decode_attention"] > 0, counters
     # the variants' decode attentions merge their chunks in one launch (the fill run's with a
@@ -127,9 +130,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     # workspace left zero (no zero-fill launch)
     fill = counts["fill"]
     assert fill["decode_attention"] > 0 and "decode_attention_merged" not in fill, fill
-    assert counters["decode_attention_merged"] == \
-        counters["decode_attention"] - fill["decode_attention"], counters
-    assert counters["workspace[mlp]"] > 0, counters
+    assert counters["decode_attention_merged"] == counters["decode_attention"], counters
+    assert counts["default"]["workspace[mlp]"] > 0, counts["default"]
     assert counters["out_layout_original"] > 0 and "out_layout_original" not in fill, counters
     scale = results["default"].abs().max().item()
     for run in ("variants", "fill"):  # the zero-filled buffers and combine launches too
