@@ -7,7 +7,7 @@ two can disagree: in the twenty-third session's sweeps the Llama-3-8B output pro
 pins each candidate of the named kernel in turn (``tuning.pinned``) and times the op in the
 sweep's setting, beside cuBLAS dense and the autotuner's own choice, then writes the fastest
 candidate per key in the form of ``kernels/tuned/*.json`` (``--json``), ready to merge into
-the shipped file.
+the shipped file (``--ship JSON``, on any machine).
 
     python examples/tile_study.py --models opt-13b --kernel out --densities 0.8   # CUDA GPU
 
@@ -148,12 +148,26 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["opt-13b"],
                    choices=sorted(bench.shape_configs()))
-    p.add_argument("--kernel", required=True, choices=sorted([*KERNELS, "mlp"]))
+    p.add_argument("--kernel", choices=sorted([*KERNELS, "mlp"]), help="required but with --ship")
     p.add_argument("--pairs", type=int, default=4,
                    help="with --kernel mlp: pair this many fastest tiles of each kernel")
     p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])
     p.add_argument("--json", help="write the rows and the fastest tile per key here")
+    p.add_argument("--ship", metavar="JSON",
+                   help="merge a study's --json into kernels/tuned/ for the GPU it names and "
+                        "exit (no GPU needed): a key already shipped takes the study's tile")
     args = p.parse_args(argv)
+    if args.ship:
+        with open(args.ship) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or "gpu" not in data or "tuned" not in data:
+            raise SystemExit(f"{args.ship} is not a tile study's --json (no 'gpu' and 'tuned')")
+        for line in tuning.ship(data["gpu"], data["tuned"]) or ["nothing changed"]:
+            print(line)
+        print(f"now say in {tuning.shipped_path(data['gpu'])}'s 'about' where these came from")
+        return
+    if args.kernel is None:
+        p.error("--kernel is required (unless --ship)")
     if not torch.cuda.is_available():
         raise SystemExit("tile_study needs a CUDA GPU")
     bench.check_densities(args.densities)

@@ -153,6 +153,42 @@ def load_shipped(gpu: str) -> dict[str, list[dict[str, Any]]]:
     return data["tuned"]
 
 
+def ship(gpu: str, data: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Write ``data``'s entries (``tuned()``'s form: a study's or a bench run's ``tuned``) into
+    the file shipped for ``gpu``: an entry whose kernel and key the file has replaces that
+    config, any other is added. The file's ``about`` is kept as it is: say there where the new
+    entries were measured. Returns a line per entry replaced or added (none for one already
+    shipped). The file must exist: a new GPU's file starts with its ``about`` written by hand.
+    Whether each config is among its kernel's candidates is checked where it is seeded (and by
+    ``tests/test_bench.py``), not here."""
+    path = shipped_path(gpu)
+    if not path.is_file():
+        raise ValueError(f"no shipped configs for {gpu!r} at {path}: write its 'about' first")
+    if not isinstance(data, dict):
+        raise ValueError(f"configs to ship must be a mapping of kernel to entries, got "
+                         f"{type(data).__name__}")
+    whole = json.loads(path.read_text())
+    shipped_data = load_shipped(gpu)
+    changes = []
+    for name, entries in data.items():
+        have = shipped_data.setdefault(name, [])
+        for entry in entries:
+            if not isinstance(entry, dict) or not {"key", "config"} <= entry.keys():
+                raise ValueError(f"configs to ship of {name!r}: each entry needs 'key' and "
+                                 f"'config', got {entry!r}")
+            old = next((e for e in have if e["key"] == entry["key"]), None)
+            if old is None:
+                have.append({"key": entry["key"], "config": entry["config"]})
+                changes.append(f"{name} {entry['key']}: added {entry['config']['kwargs']}")
+            elif old["config"] != entry["config"]:
+                changes.append(f"{name} {entry['key']}: {old['config']['kwargs']} -> "
+                               f"{entry['config']['kwargs']}")
+                old["config"] = entry["config"]
+    whole["tuned"] = shipped_data
+    path.write_text(json.dumps(whole, indent=1) + "\n")
+    return changes
+
+
 def seed_shipped(gpu: str) -> int:
     """Seed the autotuners with the configs shipped for ``gpu``, once per process and GPU
     model; a key already chosen (tuned, or seeded by ``dejavu bench --tuned``) keeps its

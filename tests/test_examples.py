@@ -131,3 +131,53 @@ def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
     _, best = study.pair_study("opt-13b", 0.25, top=1)
     assert best == [{"kernel": study.KERNELS["up"], "key": ["up", 5120], "config": up_cfg},
                     {"kernel": study.KERNELS["down"], "key": ["down", 5120], "config": down_cfg}]
+
+
+def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_path, capsys):
+    """``--ship`` (no GPU): a study's tile for a key already shipped replaces that config, a
+    new key is added, other kernels' and keys' entries and the file's ``about`` stay; a second
+    merge of the same study changes nothing. No shipped file for the study's GPU, or a JSON
+    that is not a study's, is an error naming it, and the shipped file is left as it was."""
+    import json
+
+    from dejavu_compile.kernels import tuning
+
+    study = _load(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
+
+    def entry(key, n):
+        return {"key": key, "config": {"kwargs": {"BLOCK_N": n}, "num_warps": 4}}
+
+    about = {"gpu": "Some GPU", "source": "by hand"}
+    shipped = tmp_path / "Some_GPU.json"
+    shipped.write_text(json.dumps({"about": about, "tuned": {
+        "sparse_mlp._up_kernel": [entry([4096, 3584], 16), entry([4096, 7168], 16)],
+        "heads._head_proj_kernel": [entry([5120, 20], 8)]}}))
+    run = tmp_path / "study.json"
+    run.write_text(json.dumps({"gpu": "Some GPU", "results": [], "tuned": {
+        "sparse_mlp._up_kernel": [entry([4096, 3584], 32)],
+        "sparse_mlp._down_kernel": [entry([4096, 3584, 1], 64)]}}))
+    study.main(["--ship", str(run)])
+    printed = capsys.readouterr().out
+    assert "sparse_mlp._up_kernel [4096, 3584]: {'BLOCK_N': 16} -> {'BLOCK_N': 32}" in printed
+    assert "sparse_mlp._down_kernel [4096, 3584, 1]: added {'BLOCK_N': 64}" in printed
+    data = json.loads(shipped.read_text())
+    assert data["about"] == about
+    assert data["tuned"] == {
+        "sparse_mlp._up_kernel": [entry([4096, 3584], 32), entry([4096, 7168], 16)],
+        "heads._head_proj_kernel": [entry([5120, 20], 8)],
+        "sparse_mlp._down_kernel": [entry([4096, 3584, 1], 64)]}
+    before = shipped.read_text()
+    study.main(["--ship", str(run)])
+    assert "nothing changed" in capsys.readouterr().out and shipped.read_text() == before
+
+    run.write_text(json.dumps({"gpu": "Other GPU", "tuned": {}}))
+    with pytest.raises(ValueError, match="no shipped configs for 'Other GPU'"):
+        study.main(["--ship", str(run)])
+    run.write_text(json.dumps({"tuned": {}}))
+    with pytest.raises(SystemExit, match="not a tile study's --json"):
+        study.main(["--ship", str(run)])
+    run.write_text(json.dumps({"gpu": "Some GPU", "tuned": {"sparse_mlp._up_kernel": [{}]}}))
+    with pytest.raises(ValueError, match="each entry needs 'key' and 'config'"):
+        study.main(["--ship", str(run)])
+    assert shipped.read_text() == before
