@@ -148,7 +148,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["opt-13b"],
                    choices=sorted(bench.shape_configs()))
-    p.add_argument("--kernel", choices=sorted([*KERNELS, "mlp"]), help="required but with --ship")
+    p.add_argument("--kernel", choices=sorted([*KERNELS, "mlp"]), help="required unless --ship")
     p.add_argument("--pairs", type=int, default=4,
                    help="with --kernel mlp: pair this many fastest tiles of each kernel")
     p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])

@@ -65,6 +65,22 @@ def tuned() -> dict[str, list[dict[str, Any]]]:
             for name, tuner in sorted(autotuners().items()) if tuner.cache}
 
 
+def _check_mapping(data: Any) -> None:
+    """Refuse data that is not ``tuned()``'s mapping of kernel to entries."""
+    if not isinstance(data, dict):
+        raise ValueError(f"tuned configs must be a mapping of kernel to entries, got "
+                         f"{type(data).__name__}")
+
+
+def _entry(name: str, entry: Any) -> tuple[Any, Any]:
+    """The key and config of one of kernel ``name``'s entries, or an error naming it."""
+    try:
+        return entry["key"], entry["config"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"tuned configs of {name!r}: each entry needs 'key' and 'config', "
+                         f"got {entry!r}") from e
+
+
 def seed(data: dict[str, list[dict[str, Any]]], keep: bool = False) -> int:
     """Put recorded choices (``tuned()``'s form) into the autotuners' caches, so those keys run
     their recorded config without tuning; with ``keep`` a key already in a cache keeps its
@@ -73,9 +89,7 @@ def seed(data: dict[str, list[dict[str, Any]]], keep: bool = False) -> int:
     changed since the record, or quick tuning or the interpreter is on), is an error naming it:
     nothing is seeded then."""
     tuners = autotuners()
-    if not isinstance(data, dict):
-        raise ValueError(f"tuned configs must be a mapping of kernel to entries, got "
-                         f"{type(data).__name__}")
+    _check_mapping(data)
     plan: list[tuple[Autotuner, tuple, triton.Config]] = []
     for name, entries in data.items():
         if name not in tuners:
@@ -83,11 +97,8 @@ def seed(data: dict[str, list[dict[str, Any]]], keep: bool = False) -> int:
                              f"autotune; known: {sorted(tuners)}")
         tuner = tuners[name]
         for entry in entries:
-            try:
-                key, want = tuple(entry["key"]), entry["config"]
-            except (KeyError, TypeError) as e:
-                raise ValueError(f"tuned configs of {name!r}: each entry needs 'key' and "
-                                 f"'config', got {entry!r}") from e
+            key, want = _entry(name, entry)
+            key = tuple(key)
             match = [c for c in tuner.configs if config_data(c) == want]
             if not match:
                 raise ValueError(f"tuned configs of {name!r}: {want} is not among the "
@@ -144,13 +155,16 @@ def shipped_path(gpu: str) -> Path:
 def load_shipped(gpu: str) -> dict[str, list[dict[str, Any]]]:
     """The shipped configs for ``gpu`` (``tuned()``'s form), empty when none are shipped."""
     path = shipped_path(gpu)
-    if not path.is_file():
-        return {}
+    return _read_shipped(path)["tuned"] if path.is_file() else {}
+
+
+def _read_shipped(path: Path) -> dict[str, Any]:
+    """A shipped file whole (``about`` and ``tuned``), its ``tuned`` checked to be a mapping."""
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("tuned"), dict):
         raise ValueError(f"{path}: shipped kernel configs need a 'tuned' mapping of kernel to "
                          f"entries")
-    return data["tuned"]
+    return data
 
 
 def ship(gpu: str, data: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -164,27 +178,20 @@ def ship(gpu: str, data: dict[str, list[dict[str, Any]]]) -> list[str]:
     path = shipped_path(gpu)
     if not path.is_file():
         raise ValueError(f"no shipped configs for {gpu!r} at {path}: write its 'about' first")
-    if not isinstance(data, dict):
-        raise ValueError(f"configs to ship must be a mapping of kernel to entries, got "
-                         f"{type(data).__name__}")
-    whole = json.loads(path.read_text())
-    shipped_data = load_shipped(gpu)
+    _check_mapping(data)
+    whole = _read_shipped(path)
     changes = []
     for name, entries in data.items():
-        have = shipped_data.setdefault(name, [])
+        have = whole["tuned"].setdefault(name, [])
         for entry in entries:
-            if not isinstance(entry, dict) or not {"key", "config"} <= entry.keys():
-                raise ValueError(f"configs to ship of {name!r}: each entry needs 'key' and "
-                                 f"'config', got {entry!r}")
-            old = next((e for e in have if e["key"] == entry["key"]), None)
+            key, config = _entry(name, entry)
+            old = next((e for e in have if e["key"] == key), None)
             if old is None:
-                have.append({"key": entry["key"], "config": entry["config"]})
-                changes.append(f"{name} {entry['key']}: added {entry['config']['kwargs']}")
-            elif old["config"] != entry["config"]:
-                changes.append(f"{name} {entry['key']}: {old['config']['kwargs']} -> "
-                               f"{entry['config']['kwargs']}")
-                old["config"] = entry["config"]
-    whole["tuned"] = shipped_data
+                have.append({"key": key, "config": config})
+                changes.append(f"{name} {key}: added {config['kwargs']}")
+            elif old["config"] != config:
+                changes.append(f"{name} {key}: {old['config']['kwargs']} -> {config['kwargs']}")
+                old["config"] = config
     path.write_text(json.dumps(whole, indent=1) + "\n")
     return changes
 

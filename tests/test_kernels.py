@@ -664,13 +664,11 @@ def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
     """The down kernel loads its first neuron tile before it waits for the up kernel and the
     others in its loop: with one tile a program (no loop) and three (the last past k), per-row
     ids, with and without a workspace, against the reference; the workspace left zero."""
-    import triton
     from dejavu_compile.kernels import ops
     from dejavu_compile.kernels import triton_common as tc
 
-    cfg = {**tc.TILE_FIXED, "TILES": tiles}
-    monkeypatch.setattr(sparse_mlp._down_kernel, "configs", [triton.Config(
-        {k: v for k, v in cfg.items() if k != "num_warps"}, num_warps=cfg["num_warps"])])
+    monkeypatch.setattr(sparse_mlp._down_kernel, "configs",
+                        [tc.fixed_config({**tc.TILE_FIXED, "TILES": tiles})])
     d, n, d_out, k = 37, 90, 29, 2 * tc.TILE_FIXED["BLOCK_N"] + 3  # 3 tiles, the last short
     x = _rand(2, 1, d, dtype=torch.float32, seed=0)
     w1, w_up = _rand(n, d, dtype=torch.float32, seed=1), _rand(n, d, dtype=torch.float32, seed=2)
