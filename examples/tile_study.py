@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -156,15 +157,27 @@ def main(argv=None):
     p.add_argument("--ship", metavar="JSON",
                    help="merge a study's --json into kernels/tuned/ for the GPU it names and "
                         "exit (no GPU needed): a key already shipped takes the study's tile")
+    p.add_argument("--to", metavar="FILE",
+                   help="with --ship: the shipped file to merge into (default: the one of the "
+                        "dejavu_compile that Python imports, which must then lie under the "
+                        "current directory)")
     args = p.parse_args(argv)
+    if args.to and not args.ship:
+        p.error("--to goes with --ship")
     if args.ship:
         with open(args.ship) as f:
             data = json.load(f)
         if not isinstance(data, dict) or "gpu" not in data or "tuned" not in data:
             raise SystemExit(f"{args.ship} is not a tile study's --json (no 'gpu' and 'tuned')")
-        for line in tuning.ship(data["gpu"], data["tuned"]) or ["nothing changed"]:
+        target = Path(args.to) if args.to else tuning.shipped_path(data["gpu"])
+        if not args.to and not target.resolve().is_relative_to(Path.cwd().resolve()):
+            # An editable install of another checkout (a CI clone's virtual environment, say)
+            # would have its file changed, not this directory's.
+            raise SystemExit(f"the imported dejavu_compile ships {target}, outside this "
+                             f"directory; name the file to merge into with --to FILE")
+        for line in tuning.ship(data["gpu"], data["tuned"], target) or ["nothing changed"]:
             print(line)
-        print(f"now say in {tuning.shipped_path(data['gpu'])}'s 'about' where these came from")
+        print(f"now say in {target}'s 'about' where these came from")
         return
     if args.kernel is None:
         p.error("--kernel is required (unless --ship)")

@@ -167,15 +167,22 @@ def _read_shipped(path: Path) -> dict[str, Any]:
     return data
 
 
-def ship(gpu: str, data: dict[str, list[dict[str, Any]]]) -> list[str]:
+def ship(gpu: str, data: dict[str, list[dict[str, Any]]], path: Path | None = None) -> list[str]:
     """Write ``data``'s entries (``tuned()``'s form: a study's or a bench run's ``tuned``) into
-    the file shipped for ``gpu``: an entry whose kernel and key the file has replaces that
+    the file shipped for ``gpu`` (``path``, by default ``shipped_path(gpu)`` of this package;
+    another path must have that file's name, so that one GPU's configs cannot land in another
+    GPU's file): an entry whose kernel and key the file has replaces that
     config, any other is added. The file's ``about`` is kept as it is: say there where the new
     entries were measured. Returns a line per entry replaced or added (none for one already
     shipped). The file must exist: a new GPU's file starts with its ``about`` written by hand.
     Whether each config is among its kernel's candidates is checked where it is seeded (and by
     ``tests/test_bench.py``), not here."""
-    path = shipped_path(gpu)
+    if path is None:
+        path = shipped_path(gpu)
+    elif Path(path).name != shipped_path(gpu).name:
+        raise ValueError(f"{path} is not the shipped file of {gpu!r}: that file is named "
+                         f"{shipped_path(gpu).name}")
+    path = Path(path)
     if not path.is_file():
         raise ValueError(f"no shipped configs for {gpu!r} at {path}: write its 'about' first")
     _check_mapping(data)

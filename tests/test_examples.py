@@ -137,13 +137,16 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
     """``--ship`` (no GPU): a study's tile for a key already shipped replaces that config, a
     new key is added, other kernels' and keys' entries and the file's ``about`` stay; a second
     merge of the same study changes nothing. No shipped file for the study's GPU, or a JSON
-    that is not a study's, is an error naming it, and the shipped file is left as it was."""
+    that is not a study's, is an error naming it, and the shipped file is left as it was.
+    The imported package's file outside the current directory (an editable install of another
+    checkout) is refused unless ``--to`` names the file; ``--to`` must name that GPU's file."""
     import json
 
     from dejavu_compile.kernels import tuning
 
     study = _load(Path(__file__).parents[1] / "examples" / "tile_study.py")
     monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
+    monkeypatch.chdir(tmp_path)
 
     def entry(key, n):
         return {"key": key, "config": {"kwargs": {"BLOCK_N": n}, "num_warps": 4}}
@@ -181,3 +184,24 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
     with pytest.raises(ValueError, match="each entry needs 'key' and 'config'"):
         study.main(["--ship", str(run)])
     assert shipped.read_text() == before
+
+    # Another checkout's package: refused without --to; --to names the file to merge into.
+    run.write_text(json.dumps({"gpu": "Some GPU", "tuned": {
+        "sparse_mlp._up_kernel": [entry([4096, 3584], 64)]}}))
+    elsewhere = tmp_path / "here"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(SystemExit, match="outside this directory.*--to FILE"):
+        study.main(["--ship", str(run)])
+    assert shipped.read_text() == before
+    mine = elsewhere / "Some_GPU.json"
+    mine.write_text(before)
+    study.main(["--ship", str(run), "--to", str(mine)])
+    assert "{'BLOCK_N': 32} -> {'BLOCK_N': 64}" in capsys.readouterr().out
+    assert json.loads(mine.read_text())["tuned"]["sparse_mlp._up_kernel"][0] == entry(
+        [4096, 3584], 64)
+    assert shipped.read_text() == before
+    with pytest.raises(ValueError, match="not the shipped file of 'Some GPU'.*Some_GPU.json"):
+        study.main(["--ship", str(run), "--to", str(elsewhere / "Other_GPU.json")])
+    with pytest.raises(SystemExit):
+        study.main(["--to", str(mine), "--kernel", "up"])
