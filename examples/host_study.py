@@ -1,20 +1,32 @@
-"""Host time of a decode step, HF compiled against the dejavu backend, on a GPU: a Llama-shaped
-model with small matrices (hidden 1024, 32 layers: the layer count of Llama-3-8B), so the
-host's work per step is the same as at full size while compiling takes a minute.
+"""Host time of a decode step, HF compiled against the dejavu backend, on a GPU: a model with
+small matrices and the full model's layer count (``--shape llama``: hidden 1024, 32 layers as
+Llama-3-8B; ``--shape opt``: hidden 1024, 40 layers as OPT-13B), so the host's work per step,
+and the kernels a step launches, are those of the full size while compiling takes a minute.
 
-For each of ``hf_compiled`` (``mode="reduce-overhead"``) and ``dejavu_sparse`` (MLP density 0.5
-with random predictors, CUDA graphs; the lower pass's split-K decode attention) it prints the median time
-until a step's call returns (before waiting for the GPU, as ``dejavu bench``'s host column)
-and a cProfile of 50 steps, by own time and by cumulative time.
+For each mode of ``--modes`` (``hf_compiled``, or any dejavu mode of ``dejavu bench``, at the
+bench's operating point of the shape's full-size model) it prints, per step, the medians of
+the time to make the position tensor on the GPU (as the bench's loop does), the time until
+the step's call returns (before waiting for the GPU: the bench's host column) and the whole
+step (the call, the next token's argmax and the wait for the GPU), then a cProfile of 50 steps
+by own time and by cumulative time. For a ``dejavu_captured*`` mode the profile splits the
+call into ``CapturedStep``'s key, its input copy and the graph's replay.
 
-Run on a CUDA machine: ``TRITON_INTERPRET=0 DEJAVU_QUICK_TUNE=1 python examples/host_study.py``
-(one kernel config each: the host's work does not depend on the tiles).
+With ``--cpus``, each mode is timed again pinned to each listed CPU in turn
+(``os.sched_setaffinity``): in the twenty-ninth session the replay of a plain 820-kernel graph
+took 6-27 us on the host depending on the device's CPU it ran on, and the OPT-13B step's host
+time moved between 0.12 and 0.46 ms from one process to the next (BENCHMARKS.md).
+
+Run on a CUDA machine: ``TRITON_INTERPRET=0 DEJAVU_QUICK_TUNE=1 python examples/host_study.py
+--shape opt --modes hf_compiled dejavu_captured_qkv_pdl --cpus 0 4 5`` (one kernel config
+each: the host's work does not depend on the tiles).
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import tempfile
@@ -23,51 +35,138 @@ from pathlib import Path
 
 import torch
 
-from dejavu_compile.bench import _prefilled, random_profile, small_llama
+from dejavu_compile import bench
 
 PROMPT = 32
-STEPS = 150  # the first TIMED_FROM warm up (compilation, re-layout, recording)
+STEPS = 150  # the first TIMED_FROM warm up (compilation, re-layout, recording, capture)
 TIMED_FROM = 20
 PROFILED_FROM = 100
+PINNED_STEPS = 60  # steps timed per pinned CPU, the first 10 untimed
+# the full-size model whose layer count and operating point each shape takes
+SHAPES = {"llama": "llama-3-8b", "opt": "opt-13b"}
+
+
+def small_model(shape: str) -> torch.nn.Module:
+    """A random model of ``shape`` with small matrices and the full-size model's layer count,
+    fp16, on the GPU, in eval mode."""
+    if shape == "llama":
+        return bench.small_llama(32)
+    import transformers as tf
+
+    cfg = tf.OPTConfig(vocab_size=512, hidden_size=1024, ffn_dim=4096, num_hidden_layers=40,
+                       num_attention_heads=16, max_position_embeddings=1024,
+                       word_embed_proj_dim=1024)
+    torch.manual_seed(0)
+    return tf.OPTForCausalLM(cfg).to("cuda", torch.float16).eval()
+
+
+def check_args(modes: list[str], cpus: list[int]) -> None:
+    """Every mode one this study can run, every CPU one this process may run on."""
+    known = {"hf_compiled", *bench._DEJAVU_MODES}
+    unknown = [m for m in modes if m not in known]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}: hf_compiled or a dejavu mode of "
+                         f"`dejavu bench` ({', '.join(sorted(bench._DEJAVU_MODES))})")
+    allowed = os.sched_getaffinity(0)
+    outside = [c for c in cpus if c not in allowed]
+    if outside:
+        raise SystemExit(f"--cpus {outside}: this process may run only on CPUs "
+                         f"{sorted(allowed)}")
+
+
+def build(mode: str, net: torch.nn.Module, point: dict, workdir: Path):
+    """The step's forward for ``mode``, as ``dejavu bench`` builds it."""
+    torch._dynamo.reset()
+    if mode == "hf_compiled":
+        return torch.compile(net.forward, mode="reduce-overhead", fullgraph=True)
+    import dejavu_compile
+
+    sparse, ahead, bucket_units, extra = bench._DEJAVU_MODES[mode]
+    mlp, att = (point["mlp"], point["attention"]) if sparse else (1.0, 1.0)
+    profile = bench.random_profile(net, mlp, att, 64, workdir / f"{mode}.yaml",
+                                   lookahead=ahead, bucket_units=bucket_units)
+    fwd = torch.compile(net.forward, backend="dejavu", fullgraph=True,
+                        options={"profile": profile, "cudagraphs": True, **extra})
+    if mode.startswith("dejavu_captured"):
+        fwd = dejavu_compile.CapturedStep(fwd, copies=bench._CAPTURE_COPIES.get(mode, 1))
+    return fwd
 
 
 @torch.no_grad()
-def measure(name: str, net: torch.nn.Module, forward, ids: torch.Tensor) -> None:
-    cache, mask = _prefilled(net, ids, PROMPT + STEPS + 1)
+def steps(net, forward, ids: torch.Tensor, count: int, timed_from: int,
+          profiled_from: int | None = None) -> tuple[dict[str, float], cProfile.Profile]:
+    """``count`` decode steps on a fresh cache after a prefill of ``ids``; the medians (ms)
+    over steps ``timed_from`` up to ``profiled_from`` of the position's creation, the call
+    and the whole step, and a cProfile of the steps from ``profiled_from`` on."""
+    cache, mask = bench._prefilled(net, ids, ids.shape[1] + count + 1)
     tok = ids[:, -1:]
-    host = []
+    parts = {"position": [], "call": [], "step": []}
     prof = cProfile.Profile()
-    for i in range(STEPS):
-        pos = torch.tensor([PROMPT + i], device="cuda")
-        if i >= PROFILED_FROM:
+    for i in range(count):
+        profiled = profiled_from is not None and i >= profiled_from
+        sync(ids)
+        if profiled:
             prof.enable()
         start = time.perf_counter()
+        pos = torch.tensor([ids.shape[1] + i], device=ids.device)
+        made = time.perf_counter()
         out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
                       position_ids=pos[None], attention_mask=mask, use_cache=True)
-        host.append(1e3 * (time.perf_counter() - start))
-        if i >= PROFILED_FROM:
+        returned = time.perf_counter()
+        if profiled:
             prof.disable()
         tok = out.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-    print(f"== {name}: host ms per step, median {statistics.median(host[TIMED_FROM:PROFILED_FROM]):.3f}")
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(14)
-        print(text.getvalue(), flush=True)
+        sync(ids)
+        if timed_from <= i and not profiled:
+            parts["position"].append(1e3 * (made - start))
+            parts["call"].append(1e3 * (returned - made))
+            parts["step"].append(1e3 * (time.perf_counter() - start))
+    return {k: statistics.median(v) for k, v in parts.items()}, prof
 
 
-def main() -> None:
-    net = small_llama(32)  # Llama-3-8B's layer count
-    ids = torch.randint(0, 512, (1, PROMPT), device="cuda")
-    torch._dynamo.reset()
-    measure("hf_compiled", net, torch.compile(net.forward, mode="reduce-overhead",
-                                              fullgraph=True), ids)
-    torch._dynamo.reset()
-    profile = random_profile(net, 0.5, 1.0, 64, Path(tempfile.mkdtemp()) / "host.yaml")
-    forward = torch.compile(net.forward, backend="dejavu", fullgraph=True,
-                            options={"profile": profile, "cudagraphs": True})
-    measure("dejavu_sparse", net, forward, ids)
+def sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
 
+
+def line(name: str, medians: dict[str, float]) -> str:
+    return (f"{name}: median ms per step: position {medians['position']:.3f}, call "
+            f"{medians['call']:.3f}, whole step {medians['step']:.3f}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama")
+    p.add_argument("--modes", nargs="+", default=["hf_compiled", "dejavu_sparse"])
+    p.add_argument("--cpus", nargs="*", type=int, default=[],
+                   help="also time each mode pinned to each of these CPUs in turn")
+    args = p.parse_args(argv)
+    check_args(args.modes, args.cpus)
+    if not torch.cuda.is_available():
+        raise SystemExit("host_study needs a CUDA GPU")
+    point = bench.OPERATING_POINTS[SHAPES[args.shape]]
+    workdir = Path(tempfile.mkdtemp())
+    everywhere = os.sched_getaffinity(0)
+    for mode in args.modes:
+        net = small_model(args.shape)  # each mode its own: dejavu re-lays out weights in place
+        ids = torch.randint(0, 512, (1, PROMPT), device="cuda")
+        forward = build(mode, net, point, workdir)
+        with bench.kernel_switches(mode):  # the kernels' switches as the bench sets them
+            medians, prof = steps(net, forward, ids, STEPS, TIMED_FROM, PROFILED_FROM)
+            print(f"== {line(mode, medians)} (unpinned)", flush=True)
+            for order in ("tottime", "cumulative"):
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(14)
+                print(text.getvalue(), flush=True)
+            try:
+                for cpu in args.cpus:
+                    os.sched_setaffinity(0, {cpu})
+                    pinned = steps(net, forward, ids, PINNED_STEPS, 10)[0]
+                    print(line(f"{mode} on CPU {cpu}", pinned), flush=True)
+            finally:
+                os.sched_setaffinity(0, everywhere)
+        del net, forward
+        torch.cuda.empty_cache()
 
 if __name__ == "__main__":
     main()

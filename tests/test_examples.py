@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.py"))
 
@@ -205,3 +206,41 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
         study.main(["--ship", str(run), "--to", str(elsewhere / "Other_GPU.json")])
     with pytest.raises(SystemExit):
         study.main(["--to", str(mine), "--kernel", "up"])
+
+
+def test_host_study_checks_its_modes_and_cpus_before_it_needs_a_gpu():
+    """``host_study``: a mode that is neither HF compiled nor a bench dejavu mode, or a CPU this
+    process may not run on, is refused by name before any model is built."""
+    import os
+
+    study = _load(Path(__file__).parents[1] / "examples" / "host_study.py")
+    study.check_args(["hf_compiled", "dejavu_captured_qkv_pdl"], sorted(os.sched_getaffinity(0)))
+    with pytest.raises(SystemExit, match=r"unknown mode\(s\) \['dejavu_nope'\]"):
+        study.main(["--modes", "hf_compiled", "dejavu_nope"])
+    with pytest.raises(SystemExit, match=r"--cpus \[100000\]"):
+        study.main(["--cpus", "100000"])
+    with pytest.raises(SystemExit):  # an unknown shape: argparse's own error
+        study.main(["--shape", "gpt"])
+
+
+def test_host_study_times_a_captured_dejavu_step_on_the_cpu(tmp_path):
+    """``host_study``'s step loop and its build of a bench mode, on a tiny OPT on the CPU
+    (``CapturedStep`` runs the compiled step as it is there): the three medians of each step
+    are measured, the call is inside the whole step, and the profile saw the step's calls."""
+    import pstats
+
+    import transformers as tf
+
+    study = _load(Path(__file__).parents[1] / "examples" / "host_study.py")
+    cfg = tf.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=3,
+                       num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32)
+    torch.manual_seed(0)
+    net = tf.OPTForCausalLM(cfg).eval()
+    forward = study.build("dejavu_captured_qkv_pdl", net, {"mlp": 0.5, "attention": 0.5},
+                          tmp_path)
+    assert type(forward).__name__ == "CapturedStep"
+    ids = torch.randint(0, 64, (1, 5))
+    medians, prof = study.steps(net, forward, ids, 6, 1, 4)
+    assert set(medians) == {"position", "call", "step"}
+    assert 0 < medians["call"] < medians["step"] and medians["position"] > 0
+    assert pstats.Stats(prof).total_calls > 0
