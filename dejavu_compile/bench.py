@@ -547,12 +547,49 @@ def _prefilled(model, ids: torch.Tensor, length: int):
     return cache, torch.ones(1, length, dtype=torch.long, device=ids.device)
 
 
+def check_cpus(cpus) -> list[int] | None:
+    """``cpus`` (CPU numbers to pin the timed steps to) sorted, or None for none; each must be
+    one this process may run on."""
+    if cpus is None:
+        return None
+    cpus = sorted(set(cpus))
+    allowed = os.sched_getaffinity(0)
+    outside = [c for c in cpus if c not in allowed]
+    if not cpus or outside:
+        raise ValueError(f"cpus {outside or cpus}: this process may run only on CPUs "
+                         f"{sorted(allowed)}")
+    return cpus
+
+
+@contextlib.contextmanager
+def pinned(cpus: list[int] | None):
+    """The calling thread, the one that launches the steps, on ``cpus`` only while the block
+    runs (``os.sched_setaffinity``: threads started inside it inherit that, threads started
+    before keep theirs), its CPUs as before afterwards; nothing for None.
+    In the twenty-ninth session the host time of one CUDA-graph replay differed up to 4.5
+    times between the device's CPUs, and the decode step's host time per process moved
+    between 0.12 and 0.46 ms (BENCHMARKS.md): pinning every mode's timed steps to the same
+    CPUs takes the placement out of a side-by-side ratio."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @torch.no_grad()
 def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_token: int,
-                   warmup: int = 2, breakdown: bool = False) -> DecodeResult:
+                   warmup: int = 2, breakdown: bool = False,
+                   cpus: list[int] | None = None) -> DecodeResult:
     """Per-token latency of ``new`` decode steps after a ``prompt``-token prefill (run eagerly:
     only the decode step is compiled), with a static cache; ``forward`` is the (compiled or
-    plain) forward to call for decode steps."""
+    plain) forward to call for decode steps. With ``cpus``, the timed steps and the pipelined
+    ones run pinned to those CPUs (``pinned``); the warm-up steps, which compile and tune, do
+    not."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.reset_peak_memory_stats()
@@ -562,33 +599,37 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     # many for the host's events (profiling the host slows it, so not in the same steps)
     extra = 2 * PROFILED_STEPS if breakdown else 0
     for rep in range(warmup + 1):
-        cache, mask = _prefilled(model, ids, prompt + new + extra + 1)
-        tok = ids[:, -1:]
-        torch.cuda.synchronize()
-        steps, calls = [], []
-        for i in range(new + extra if rep == warmup else 4):
-            if rep == warmup and i == new and breakdown:
-                prof = profile(activities=[ProfilerActivity.CUDA])
-                prof.start()
-            if rep == warmup and i == new + PROFILED_STEPS and breakdown:
-                prof.stop()
-                # CUDA too: the runtime's calls (graph and kernel launches, copies) are recorded
-                # with it
-                host_prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                host_prof.start()
-            start = time.perf_counter()
-            pos = torch.tensor([prompt + i], device="cuda")
-            out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
-                          position_ids=pos[None], attention_mask=mask, use_cache=True)
-            launched = time.perf_counter()
-            tok = out.logits[:, -1:].argmax(-1)
+        # the last repetition is the timed one: pinned, if asked (compiling and tuning are
+        # done by then)
+        with pinned(cpus if rep == warmup else None):
+            cache, mask = _prefilled(model, ids, prompt + new + extra + 1)
+            tok = ids[:, -1:]
             torch.cuda.synchronize()
-            steps.append(1e3 * (time.perf_counter() - start))
-            calls.append(1e3 * (launched - start))
+            steps, calls = [], []
+            for i in range(new + extra if rep == warmup else 4):
+                if rep == warmup and i == new and breakdown:
+                    prof = profile(activities=[ProfilerActivity.CUDA])
+                    prof.start()
+                if rep == warmup and i == new + PROFILED_STEPS and breakdown:
+                    prof.stop()
+                    # CUDA too: the runtime's calls (graph and kernel launches, copies) are recorded
+                    # with it
+                    host_prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    host_prof.start()
+                start = time.perf_counter()
+                pos = torch.tensor([prompt + i], device="cuda")
+                out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
+                              position_ids=pos[None], attention_mask=mask, use_cache=True)
+                launched = time.perf_counter()
+                tok = out.logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+                steps.append(1e3 * (time.perf_counter() - start))
+                calls.append(1e3 * (launched - start))
         times, host = steps[:new], calls[:new]
     if host_prof is not None:
         host_prof.stop()
-    pipelined = _pipelined_ms(model, forward, ids, new, prompt + new + extra + 1)
+    with pinned(cpus):
+        pipelined = _pipelined_ms(model, forward, ids, new, prompt + new + extra + 1)
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
@@ -769,10 +810,12 @@ def kernel_switches(mode: str):
 
 @torch.no_grad()
 def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: int = 128,
-               rank: int = 128, workdir=None, modes=MODES, breakdown: bool = False):
+               rank: int = 128, workdir=None, modes=MODES, breakdown: bool = False,
+               cpus: list[int] | None = None):
     """Per-token decode latency of each mode on a random model of ``cfg``'s shape; yields one
     ``DecodeResult`` per mode as soon as it is measured: the HF modes first, then the dejavu
-    modes in the order of ``modes``."""
+    modes in the order of ``modes``. ``cpus``: each mode's timed steps pinned to these CPUs
+    (``decode_latency``)."""
     import tempfile
     from pathlib import Path
 
@@ -784,17 +827,17 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
     dense_bytes = weight_bytes(model)
     if "hf_eager" in modes:
         yield decode_latency(model, model.forward, prompt, new, "hf_eager", dense_bytes,
-                             breakdown=breakdown)
+                             breakdown=breakdown, cpus=cpus)
     if "hf_compiled" in modes:
         torch._dynamo.reset()
         compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         yield decode_latency(model, compiled, prompt, new, "hf_compiled", dense_bytes,
-                             breakdown=breakdown)
+                             breakdown=breakdown, cpus=cpus)
     if "hf_captured" in modes:  # dense, replayed from one graph as dejavu_captured is
         torch._dynamo.reset()
         compiled = dejavu_compile.CapturedStep(torch.compile(model.forward, fullgraph=True))
         yield decode_latency(model, compiled, prompt, new, "hf_captured", dense_bytes,
-                             breakdown=breakdown)
+                             breakdown=breakdown, cpus=cpus)
 
     # in the order asked, after the HF modes: the first dejavu compilation re-lays out the
     # model's parameters in place, which would change what an HF mode after it reads
@@ -810,7 +853,7 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
             fwd = dejavu_compile.CapturedStep(fwd, copies=_CAPTURE_COPIES.get(mode, 1))
         # the step is compiled and its kernels captured in here
         with kernel_switches(mode):
-            res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown)
+            res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown, cpus=cpus)
         res.bytes_per_token = dejavu_compile.report(model).bytes_sparse
         yield res
     del model
@@ -1043,13 +1086,15 @@ def check_densities(densities) -> None:
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
         kv_attention: str = KV_ATTENTION[0], tuned: str | None = None,
-        densities=DENSITIES, blocks=SWEEP_BLOCKS) -> dict:
+        densities=DENSITIES, blocks=SWEEP_BLOCKS, cpus: list[int] | None = None) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict. ``tuned``: a
     file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
     keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file, and
     ``shipped`` the shipped file seeded (by the kernel sweep, or by the backend's option
     ``shipped_configs``) if any.
-    ``densities``: the kernel sweep's, each in (0, 1]; ``blocks``: its parts (``SWEEP_BLOCKS``)."""
+    ``densities``: the kernel sweep's, each in (0, 1]; ``blocks``: its parts (``SWEEP_BLOCKS``).
+    ``cpus``: the end-to-end modes' timed steps pinned to these CPUs (``decode_latency``)."""
+    cpus = check_cpus(cpus)
     if kernels:
         check_densities(densities)
         check_blocks(blocks)
@@ -1062,6 +1107,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         tuning.seed_shipped(gpu)
     bw = copy_bandwidth()
     result = {"gpu": gpu, "copy_gbs": bw / 1e9, "kernels": [], "e2e": [], "complete": False}
+    if cpus is not None:
+        result["cpus"] = cpus
     if tuned:
         result["tuned_from"] = {"path": tuned, "keys": seeded}
     print(f"GPU {result['gpu']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -1094,7 +1141,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                 save()
         if e2e:
             point = OPERATING_POINTS[name]
-            for res in end_to_end(name, configs[name], point, modes=modes, breakdown=breakdown):
+            for res in end_to_end(name, configs[name], point, modes=modes, breakdown=breakdown,
+                                  cpus=cpus):
                 row = {"model": name, "mode": res.mode, "ms_per_token": res.ms_per_token,
                        "p20": res.spread[0], "p80": res.spread[1],
                        "bytes_per_token": res.bytes_per_token,
@@ -1127,12 +1175,14 @@ def merge_tuned(into: dict, more: dict) -> dict:
 
 
 def child_command(model: str, mode: str, out_json: str, breakdown: bool,
-                  tuned: str | None) -> list[str]:
+                  tuned: str | None, cpus: list[int] | None = None) -> list[str]:
     """The ``dejavu bench`` command line that measures one end-to-end mode in a process of its
     own (``isolated``)."""
     cmd = [sys.executable, "-m", "dejavu_compile.cli", "bench", "--models", model,
            "--no-kernels", "--modes", mode, "--json", out_json]
-    return cmd + (["--breakdown"] if breakdown else []) + (["--tuned", tuned] if tuned else [])
+    cmd += ["--breakdown"] if breakdown else []
+    cmd += ["--tuned", tuned] if tuned else []
+    return cmd + (["--cpus", *map(str, cpus)] if cpus is not None else [])
 
 
 def _run_child(cmd: list[str], timeout: float | None) -> tuple[int, str]:
@@ -1147,7 +1197,7 @@ def _run_child(cmd: list[str], timeout: float | None) -> tuple[int, str]:
 
 def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
              breakdown: bool = False, tuned: str | None = None, timeout: float | None = None,
-             runner=_run_child) -> dict:
+             runner=_run_child, cpus: list[int] | None = None) -> dict:
     """End-to-end decode latency with every mode in a process of its own, ``rounds`` times,
     the modes' order reversed every other round: a mode's time then owes nothing to the modes
     measured before it in the same process, and a drift of the machine over the run falls on
@@ -1157,13 +1207,17 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
     The first process to tune a kernel's key records its config; every later process runs
     with all configs recorded so far (and those of ``tuned``, which come first), so every
     round runs the same tiles. A process that fails or passes ``timeout`` seconds is listed
-    under ``failed`` with the tail of its output; the run goes on."""
+    under ``failed`` with the tail of its output; the run goes on. ``cpus``: every process's
+    timed steps pinned to these CPUs (``decode_latency``)."""
     _checked(models)
+    cpus = check_cpus(cpus)
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     configs = load_tuned(tuned) if tuned else {}
     result = {"gpu": None, "copy_gbs": None, "kernels": [], "e2e": [], "failed": [],
               "rounds": rounds, "complete": False}
+    if cpus is not None:
+        result["cpus"] = cpus
     if tuned:
         result["tuned_from"] = {"path": tuned, "keys": sum(len(v) for v in configs.values())}
 
@@ -1183,8 +1237,8 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
                     seeds = os.path.join(workdir, "tuned.json")
                     with open(seeds, "w") as f:
                         json.dump(configs, f)
-                code, tail = runner(child_command(name, mode, child_json, breakdown, seeds),
-                                    timeout)
+                code, tail = runner(child_command(name, mode, child_json, breakdown, seeds,
+                                                  cpus), timeout)
                 child = None
                 if os.path.exists(child_json):
                     with open(child_json) as f:
@@ -1232,6 +1286,9 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
         lines += [f"Every mode measured in a process of its own, {result['rounds']} round(s), "
                   "the modes' order reversed every other round; each ratio is against the same "
                   "round's hf_compiled.", ""]
+    if result.get("cpus"):
+        lines += [f"Timed steps pinned to CPU(s) {', '.join(map(str, result['cpus']))} "
+                  "(`--cpus`; warm-up, compiling and tuning unpinned).", ""]
     if result.get("complete") is False:
         lines += ["Partial: the run stopped before its end; these are the results it wrote.", ""]
     for f in result.get("failed", []):

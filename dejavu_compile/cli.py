@@ -34,12 +34,13 @@ def _bench(args) -> int:
                              "give --no-kernels, and neither --no-e2e nor --kv")
         result = bench.isolated(args.models, args.modes, args.isolate, out_json=args.json,
                                 breakdown=args.breakdown, tuned=args.tuned,
-                                timeout=args.child_timeout)
+                                timeout=args.child_timeout, cpus=args.cpus)
     else:
         result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
                            e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
                            breakdown=args.breakdown, kv_attention=args.kv_attention,
-                           tuned=args.tuned, densities=args.densities, blocks=args.blocks)
+                           tuned=args.tuned, densities=args.densities, blocks=args.blocks,
+                           cpus=args.cpus)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -304,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-timeout", type=float, metavar="S",
                    help="with --isolate: stop a mode's process after S seconds (listed as "
                         "failed; the run goes on)")
+    p.add_argument("--cpus", type=int, nargs="+", metavar="CPU",
+                   help="pin every end-to-end mode's timed steps to these CPUs (the host's "
+                        "time per step depends on where it runs; warm-up, compiling and "
+                        "tuning stay unpinned)")
     p.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)

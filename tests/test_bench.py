@@ -467,7 +467,7 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
     monkeypatch.setattr(bench, "shape_configs", lambda: {"llama-3-8b": None})
 
-    def end_to_end(name, cfg, point, modes, breakdown):
+    def end_to_end(name, cfg, point, modes, breakdown, cpus):
         yield bench.DecodeResult("hf_compiled", 6.0, (5.9, 6.1), 15 * 10**9, 15.1, host_ms=0.6,
                                  pipelined_ms=5.6)
         raise KeyboardInterrupt  # the time limit, before the second mode finished
@@ -574,7 +574,8 @@ def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
 
     seen, captured = [], []
 
-    def latency(model, forward, prompt, new, mode, bytes_per_token, breakdown=False):
+    def latency(model, forward, prompt, new, mode, bytes_per_token, breakdown=False, cpus=None):
+        assert cpus == [0]  # every mode's timed steps pinned as asked
         seen.append(mode)
         captured.append(forward.copies if isinstance(forward, dejavu_compile.CapturedStep)
                         else 0)
@@ -591,7 +592,7 @@ def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
     modes = ["dejavu_split", "dejavu_captured", "hf_captured", "dejavu_sparse", "hf_compiled",
              "dejavu_split", "dejavu_captured_ahead2"]
     got = [r.mode for r in bench.end_to_end("llama-3-8b", None, {"mlp": 0.5, "attention": 1.0},
-                                            modes=modes)]
+                                            modes=modes, cpus=[0])]
     assert got == seen == ["hf_compiled", "hf_captured", "dejavu_split", "dejavu_captured",
                            "dejavu_sparse", "dejavu_captured_ahead2"]
     # the captured modes replay captures of their own: one per key, two for the "2" mode
@@ -702,3 +703,58 @@ def test_a_child_process_gives_its_code_and_output_or_times_out():
     assert code == 3 and "measured" in tail
     code, tail = bench._run_child([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
     assert code == -1 and tail.startswith("timed out after 0.5 s")
+
+
+def test_cpus_pin_the_timed_steps_and_travel_to_each_isolated_process(monkeypatch, tmp_path):
+    """``dejavu bench --cpus``: checked against the CPUs this process may use (an error naming
+    the others, before any child runs), passed to every ``--isolate`` child's command line,
+    which the CLI reads back, recorded in the JSON and said in the markdown. ``pinned`` runs
+    its block on those CPUs only and gives the process its CPUs back afterwards, after an
+    error too."""
+    import os
+
+    from dejavu_compile import cli
+
+    allowed = os.sched_getaffinity(0)
+    one = min(allowed)
+    with bench.pinned([one]):
+        assert os.sched_getaffinity(0) == {one}
+    assert os.sched_getaffinity(0) == allowed
+    with pytest.raises(RuntimeError), bench.pinned([one]):
+        raise RuntimeError
+    assert os.sched_getaffinity(0) == allowed
+    with bench.pinned(None):
+        assert os.sched_getaffinity(0) == allowed
+    assert bench.check_cpus(None) is None and bench.check_cpus([one, one]) == [one]
+    far = max(allowed) + 1000
+    with pytest.raises(ValueError, match=rf"cpus \[{far}\]: this process may run only on"):
+        bench.check_cpus([one, far])
+    with pytest.raises(ValueError, match="cpus"):
+        bench.check_cpus([])
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    cmds = []
+
+    def runner(cmd, timeout):
+        cmds.append(cmd)
+        row = {"model": "opt-13b", "mode": cmd[cmd.index("--modes") + 1], "ms_per_token": 4.0,
+               "p20": 1.0, "p80": 2.0, "bytes_per_token": 1e9, "floor_ms": 0.2,
+               "peak_gib": 1.0, "operating_point": {"mlp": 0.1, "attention": 0.5}}
+        json.dump({"gpu": "H", "copy_gbs": 4000.0, "e2e": [row]},
+                  open(cmd[cmd.index("--json") + 1], "w"))
+        return 0, ""
+
+    with pytest.raises(ValueError, match=rf"cpus \[{far}\]"):
+        bench.isolated(["opt-13b"], ["hf_compiled"], 1, runner=runner, cpus=[far])
+    assert cmds == []
+    result = bench.isolated(["opt-13b"], ["hf_compiled", "dejavu_sparse"], 1, runner=runner,
+                            cpus=[one])
+    assert [c[c.index("--cpus"):] for c in cmds] == [["--cpus", str(one)]] * 2
+    seen = {}
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.update(vars(args)) or 0)
+    assert cli.main(cmds[0][3:]) == 0 and seen["cpus"] == [one]
+    assert result["cpus"] == [one]
+    text = bench.markdown(result, "dejavu bench --isolate 1 --cpus 0", "abc1234", "2026-12-03")
+    assert f"Timed steps pinned to CPU(s) {one} (`--cpus`" in text
+    assert "pinned" not in bench.markdown({**result, "cpus": None}, "dejavu bench", "abc1234",
+                                          "2026-12-03")
