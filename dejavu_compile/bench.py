@@ -547,16 +547,16 @@ def _prefilled(model, ids: torch.Tensor, length: int):
     return cache, torch.ones(1, length, dtype=torch.long, device=ids.device)
 
 
-def check_cpus(cpus) -> list[int] | None:
+def check_cpus(cpus, what: str = "cpus") -> list[int] | None:
     """``cpus`` (CPU numbers to pin the timed steps to) sorted, or None for none; each must be
-    one this process may run on."""
+    one this process may run on (an error names the others, as ``what``)."""
     if cpus is None:
         return None
     cpus = sorted(set(cpus))
     allowed = os.sched_getaffinity(0)
     outside = [c for c in cpus if c not in allowed]
     if not cpus or outside:
-        raise ValueError(f"cpus {outside or cpus}: this process may run only on CPUs "
+        raise ValueError(f"{what} {outside or cpus}: this process may run only on CPUs "
                          f"{sorted(allowed)}")
     return cpus
 
@@ -808,6 +808,26 @@ def kernel_switches(mode: str):
         yield
 
 
+def dejavu_forward(model, mode: str, operating_point: dict, rank: int, path):
+    """The decode step's forward for the dejavu ``mode`` of ``_DEJAVU_MODES`` as the bench
+    measures it: random predictors of ``rank`` at ``operating_point`` (dense for a dense mode)
+    in a profile written to ``path``, compiled with the mode's options, replayed through
+    ``CapturedStep`` for a ``dejavu_captured*`` mode. Compiled lazily: the first call
+    compiles (inside ``kernel_switches(mode)``, as the bench calls it)."""
+    import dejavu_compile
+
+    sparse, ahead, bucket_units, extra = _DEJAVU_MODES[mode]
+    mlp, att = (operating_point["mlp"], operating_point["attention"]) if sparse else (1.0, 1.0)
+    torch._dynamo.reset()
+    profile = random_profile(model, mlp, att, rank, path, lookahead=ahead,
+                             bucket_units=bucket_units)
+    options = {"profile": profile, "cudagraphs": True, **extra}
+    fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+    if mode.startswith("dejavu_captured"):
+        fwd = dejavu_compile.CapturedStep(fwd, copies=_CAPTURE_COPIES.get(mode, 1))
+    return fwd
+
+
 @torch.no_grad()
 def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: int = 128,
                rank: int = 128, workdir=None, modes=MODES, breakdown: bool = False,
@@ -842,15 +862,8 @@ def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: in
     # in the order asked, after the HF modes: the first dejavu compilation re-lays out the
     # model's parameters in place, which would change what an HF mode after it reads
     for mode in dict.fromkeys(m for m in modes if m in _DEJAVU_MODES):
-        sparse, ahead, bucket_units, extra = _DEJAVU_MODES[mode]
-        mlp, att = (operating_point["mlp"], operating_point["attention"]) if sparse else (1.0, 1.0)
-        torch._dynamo.reset()
-        profile = random_profile(model, mlp, att, rank, workdir / f"{name}-{mode}.yaml",
-                                 lookahead=ahead, bucket_units=bucket_units)
-        options = {"profile": profile, "cudagraphs": True, **extra}
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        if mode.startswith("dejavu_captured"):
-            fwd = dejavu_compile.CapturedStep(fwd, copies=_CAPTURE_COPIES.get(mode, 1))
+        fwd = dejavu_forward(model, mode, operating_point, rank,
+                             workdir / f"{name}-{mode}.yaml")
         # the step is compiled and its kernels captured in here
         with kernel_switches(mode):
             res = decode_latency(model, fwd, prompt, new, mode, 0, breakdown=breakdown, cpus=cpus)

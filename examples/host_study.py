@@ -12,7 +12,7 @@ by own time and by cumulative time. For a ``dejavu_captured*`` mode the profile 
 call into ``CapturedStep``'s key, its input copy and the graph's replay.
 
 With ``--cpus``, each mode is timed again pinned to each listed CPU in turn
-(``os.sched_setaffinity``): in the twenty-ninth session the replay of a plain 820-kernel graph
+(``bench.pinned``): in the twenty-ninth session the replay of a plain 820-kernel graph
 took 6-27 us on the host depending on the device's CPU it ran on, and the OPT-13B step's host
 time moved between 0.12 and 0.46 ms from one process to the next (BENCHMARKS.md).
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import tempfile
@@ -67,29 +66,18 @@ def check_args(modes: list[str], cpus: list[int]) -> None:
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}: hf_compiled or a dejavu mode of "
                          f"`dejavu bench` ({', '.join(sorted(bench._DEJAVU_MODES))})")
-    allowed = os.sched_getaffinity(0)
-    outside = [c for c in cpus if c not in allowed]
-    if outside:
-        raise SystemExit(f"--cpus {outside}: this process may run only on CPUs "
-                         f"{sorted(allowed)}")
+    try:
+        bench.check_cpus(cpus or None, "--cpus")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def build(mode: str, net: torch.nn.Module, point: dict, workdir: Path):
     """The step's forward for ``mode``, as ``dejavu bench`` builds it."""
-    torch._dynamo.reset()
     if mode == "hf_compiled":
+        torch._dynamo.reset()
         return torch.compile(net.forward, mode="reduce-overhead", fullgraph=True)
-    import dejavu_compile
-
-    sparse, ahead, bucket_units, extra = bench._DEJAVU_MODES[mode]
-    mlp, att = (point["mlp"], point["attention"]) if sparse else (1.0, 1.0)
-    profile = bench.random_profile(net, mlp, att, 64, workdir / f"{mode}.yaml",
-                                   lookahead=ahead, bucket_units=bucket_units)
-    fwd = torch.compile(net.forward, backend="dejavu", fullgraph=True,
-                        options={"profile": profile, "cudagraphs": True, **extra})
-    if mode.startswith("dejavu_captured"):
-        fwd = dejavu_compile.CapturedStep(fwd, copies=bench._CAPTURE_COPIES.get(mode, 1))
-    return fwd
+    return bench.dejavu_forward(net, mode, point, 64, workdir / f"{mode}.yaml")
 
 
 @torch.no_grad()
@@ -146,7 +134,6 @@ def main(argv=None) -> None:
         raise SystemExit("host_study needs a CUDA GPU")
     point = bench.OPERATING_POINTS[SHAPES[args.shape]]
     workdir = Path(tempfile.mkdtemp())
-    everywhere = os.sched_getaffinity(0)
     for mode in args.modes:
         net = small_model(args.shape)  # each mode its own: dejavu re-lays out weights in place
         ids = torch.randint(0, 512, (1, PROMPT), device="cuda")
@@ -158,13 +145,10 @@ def main(argv=None) -> None:
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats(order).print_stats(14)
                 print(text.getvalue(), flush=True)
-            try:
-                for cpu in args.cpus:
-                    os.sched_setaffinity(0, {cpu})
-                    pinned = steps(net, forward, ids, PINNED_STEPS, 10)[0]
-                    print(line(f"{mode} on CPU {cpu}", pinned), flush=True)
-            finally:
-                os.sched_setaffinity(0, everywhere)
+            for cpu in args.cpus:
+                with bench.pinned([cpu]):
+                    medians = steps(net, forward, ids, PINNED_STEPS, 10)[0]
+                print(line(f"{mode} on CPU {cpu}", medians), flush=True)
         del net, forward
         torch.cuda.empty_cache()
 
