@@ -386,7 +386,7 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
     are the boundaries. None when fewer than ``steps`` kernels were recorded."""
     from torch.autograd import DeviceType
 
-    # kernels only: the position's host-to-device copy starts each step before the host's work
+    # kernels only: copies and fills (a captured step's input copy) are left out
     kernels = [ev for ev in prof.events()
                if ev.device_type == DeviceType.CUDA
                and not ev.name.startswith(("Memcpy", "Memset"))]
@@ -604,6 +604,7 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
         with pinned(cpus if rep == warmup else None):
             cache, mask = _prefilled(model, ids, prompt + new + extra + 1)
             tok = ids[:, -1:]
+            pos = torch.full((1,), prompt, device="cuda")
             torch.cuda.synchronize()
             steps, calls = [], []
             for i in range(new + extra if rep == warmup else 4):
@@ -617,11 +618,15 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
                     host_prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                     host_prof.start()
                 start = time.perf_counter()
-                pos = torch.tensor([prompt + i], device="cuda")
                 out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
                               position_ids=pos[None], attention_mask=mask, use_cache=True)
                 launched = time.perf_counter()
                 tok = out.logits[:, -1:].argmax(-1)
+                # the next position made on the GPU from this one, as generate() makes it (a
+                # fresh tensor: a view would recompile), behind the argmax; until the thirtieth
+                # session each step began with a copy of it from the host, synchronous, 25-90
+                # us on the H200's host (examples/host_study.py)
+                pos = pos + 1
                 torch.cuda.synchronize()
                 steps.append(1e3 * (time.perf_counter() - start))
                 calls.append(1e3 * (launched - start))
@@ -701,8 +706,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_split6", "dejavu_split_ahead", "dejavu_captured", "dejavu_captured_ahead",
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
-         "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv_pdl",
-         "dejavu_captured_qkv_bp_pdl")
+         "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
+         "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -766,7 +771,10 @@ _DEJAVU_MODES = {
     # dejavu_captured_lazy with the kernels launched programmatically, as dejavu_pdl
     "dejavu_captured_lazy_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                             "lazy_kv": True, "fuse_qkv": False}),
-    # dejavu_captured_lazy_pdl with the query projection in the lazy K/V launch (fuse_qkv)
+    # dejavu_captured_lazy with the query projection in the lazy K/V launch (fuse_qkv), and
+    # that with programmatic launch
+    "dejavu_captured_qkv": (True, True, BUCKET_UNITS, {"cudagraphs": False, "lazy_kv": True,
+                                                       "fuse_qkv": True}),
     "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                            "lazy_kv": True, "fuse_qkv": True}),
     # dejavu_captured_qkv_pdl with the output projections left in their original layout and

@@ -5,11 +5,13 @@ and the kernels a step launches, are those of the full size while compiling take
 
 For each mode of ``--modes`` (``hf_compiled``, or any dejavu mode of ``dejavu bench``, at the
 bench's operating point of the shape's full-size model) it prints, per step, the medians of
-the time to make the position tensor on the GPU (as the bench's loop does), the time until
-the step's call returns (before waiting for the GPU: the bench's host column) and the whole
-step (the call, the next token's argmax and the wait for the GPU), then a cProfile of 50 steps
-by own time and by cumulative time. For a ``dejavu_captured*`` mode the profile splits the
-call into ``CapturedStep``'s key, its input copy and the graph's replay.
+the time until the step's call returns (before waiting for the GPU: the bench's host column)
+and of the whole step (the call, the next token's argmax, the next position made on the GPU
+and the wait for the GPU), then a cProfile of 50 steps by own time and by cumulative time. For
+a ``dejavu_captured*`` mode every other timed step is done in ``CapturedStep``'s three parts,
+each timed: its key, the copy of the arguments into the capture's and the graph's replay.
+(The positions: the bench copied each from the host, a synchronous copy of 25-90 us, until
+the thirtieth session, when this study measured it.)
 
 With ``--cpus``, each mode is timed again pinned to each listed CPU in turn
 (``bench.pinned``): in the twenty-ninth session the replay of a plain 820-kernel graph
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dejavu_compile import bench
+from dejavu_compile import CapturedStep, bench
 
 PROMPT = 32
 STEPS = 150  # the first TIMED_FROM warm up (compilation, re-layout, recording, capture)
@@ -83,33 +85,66 @@ def build(mode: str, net: torch.nn.Module, point: dict, workdir: Path):
 @torch.no_grad()
 def steps(net, forward, ids: torch.Tensor, count: int, timed_from: int,
           profiled_from: int | None = None) -> tuple[dict[str, float], cProfile.Profile]:
-    """``count`` decode steps on a fresh cache after a prefill of ``ids``; the medians (ms)
-    over steps ``timed_from`` up to ``profiled_from`` of the position's creation, the call
-    and the whole step, and a cProfile of the steps from ``profiled_from`` on."""
+    """``count`` decode steps on a fresh cache after a prefill of ``ids``, each position made
+    on the GPU from the last as the bench makes it; the medians (ms) over steps ``timed_from``
+    up to ``profiled_from`` of the call and the whole step, and, for a ``CapturedStep`` that
+    replays, of its three parts (``parts``), and a cProfile of the steps from
+    ``profiled_from`` on."""
     cache, mask = bench._prefilled(net, ids, ids.shape[1] + count + 1)
     tok = ids[:, -1:]
-    parts = {"position": [], "call": [], "step": []}
+    pos = torch.full((1,), ids.shape[1], device=ids.device)
+    times = {"call": [], "step": []}
     prof = cProfile.Profile()
     for i in range(count):
         profiled = profiled_from is not None and i >= profiled_from
+        timed = timed_from <= i and not profiled
         sync(ids)
         if profiled:
             prof.enable()
         start = time.perf_counter()
-        pos = torch.tensor([ids.shape[1] + i], device=ids.device)
-        made = time.perf_counter()
-        out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
+        kwargs = dict(input_ids=tok, past_key_values=cache, cache_position=pos,
                       position_ids=pos[None], attention_mask=mask, use_cache=True)
+        split = parts(forward, kwargs) if timed and i % 2 else None
+        out = split.pop("out") if split else forward(**kwargs)
         returned = time.perf_counter()
         if profiled:
             prof.disable()
         tok = out.logits[:, -1:].argmax(-1)
+        pos = pos + 1
         sync(ids)
-        if timed_from <= i and not profiled:
-            parts["position"].append(1e3 * (made - start))
-            parts["call"].append(1e3 * (returned - made))
-            parts["step"].append(1e3 * (time.perf_counter() - start))
-    return {k: statistics.median(v) for k, v in parts.items()}, prof
+        if timed and split:  # every other timed step, timed in parts
+            for name, ms in split.items():
+                times.setdefault(name, []).append(ms)
+        elif timed:
+            times["call"].append(1e3 * (returned - start))
+            times["step"].append(1e3 * (time.perf_counter() - start))
+    return {k: statistics.median(v) for k, v in times.items() if v}, prof
+
+
+def parts(forward, kwargs: dict) -> dict | None:
+    """A ``CapturedStep``'s call done here in its three parts, each timed (ms): its ``key``,
+    the copy of the tensor arguments into the capture's and the graphs' replay (``out``: the
+    call's output). None for any other forward, or a call that would not replay (it runs as it
+    is)."""
+    if not isinstance(forward, CapturedStep):
+        return None
+    start = time.perf_counter()
+    key = forward.key(kwargs)
+    keyed = time.perf_counter()
+    entry = forward._graphs.get(key)  # the call's own lookup (CapturedStep.__call__)
+    if entry is None:
+        return None
+    inputs, captures, turn = entry
+    graphs, out = captures[turn]
+    entry[2] = (turn + 1) % len(captures)
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    torch._foreach_copy_([inputs[name] for name in tensors], list(tensors.values()))
+    copied = time.perf_counter()
+    for graph in graphs:
+        graph.replay()
+    replayed = time.perf_counter()
+    return {"key": 1e3 * (keyed - start), "copy": 1e3 * (copied - keyed),
+            "replay": 1e3 * (replayed - copied), "out": out}
 
 
 def sync(t: torch.Tensor) -> None:
@@ -118,8 +153,10 @@ def sync(t: torch.Tensor) -> None:
 
 
 def line(name: str, medians: dict[str, float]) -> str:
-    return (f"{name}: median ms per step: position {medians['position']:.3f}, call "
-            f"{medians['call']:.3f}, whole step {medians['step']:.3f}")
+    split = ", ".join(f"{k} {medians[k]:.3f}" for k in ("key", "copy", "replay") if k in medians)
+    return (f"{name}: median ms per step: call {medians['call']:.3f}"
+            + (f" (other steps, in parts: {split})" if split else "")
+            + f", whole step {medians['step']:.3f}")
 
 
 def main(argv=None) -> None:

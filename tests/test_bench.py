@@ -457,6 +457,13 @@ def test_readme_describes_every_bench_mode():
     assert [m for m in bench.MODES if f"`{m}`" not in text] == []
 
 
+def test_every_dejavu_mode_is_one_the_bench_can_run():
+    """``--modes`` takes ``MODES``: a dejavu mode defined but left out of it could not be asked
+    for (``dejavu_captured_qkv_orig_pdl`` was, until the thirtieth session)."""
+    assert [m for m in bench._DEJAVU_MODES if m not in bench.MODES] == []
+    assert len(set(bench.MODES)) == len(bench.MODES)
+
+
 def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     """The JSON is rewritten after each result, marked incomplete until the run ends: a run
     that stops early (a device call's time limit) keeps the modes it finished, and the

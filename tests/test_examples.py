@@ -241,6 +241,35 @@ def test_host_study_times_a_captured_dejavu_step_on_the_cpu(tmp_path):
     assert type(forward).__name__ == "CapturedStep"
     ids = torch.randint(0, 64, (1, 5))
     medians, prof = study.steps(net, forward, ids, 6, 1, 4)
-    assert set(medians) == {"position", "call", "step"}
-    assert 0 < medians["call"] < medians["step"] and medians["position"] > 0
+    assert set(medians) == {"call", "step"}  # on the CPU nothing replays: no parts
+    assert 0 < medians["call"] < medians["step"]
     assert pstats.Stats(prof).total_calls > 0
+
+
+def test_host_study_times_a_replay_in_its_parts():
+    """``host_study.parts`` does a ``CapturedStep``'s replay as its call does (the arguments
+    copied into the capture's, every graph replayed in order, the capture's output returned),
+    timing each part; a call with nothing captured is left to the step itself."""
+    study = _load(Path(__file__).parents[1] / "examples" / "host_study.py")
+    from dejavu_compile import CapturedStep
+
+    replayed = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replayed.append(self.name)
+
+    step = CapturedStep(lambda **kw: None)
+    kwargs = {"x": torch.randn(3), "flag": True}
+    assert study.parts(step, kwargs) is None  # not captured: the call runs as it is
+    assert study.parts(lambda **kw: None, kwargs) is None  # not a CapturedStep
+    inputs = {"x": torch.full((3,), float("nan"))}
+    out = object()
+    step._graphs[step.key(kwargs)] = [inputs, [([Graph("a"), Graph("b")], out)], 0]
+    split = study.parts(step, kwargs)
+    assert split.pop("out") is out and replayed == ["a", "b"]
+    assert torch.equal(inputs["x"], kwargs["x"])
+    assert set(split) == {"key", "copy", "replay"} and all(v >= 0 for v in split.values())
