@@ -52,8 +52,10 @@ in Inductor's.
 from __future__ import annotations
 
 import inspect
+import operator
 import weakref
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
@@ -105,6 +107,35 @@ def _unfilled_layer(value: Any) -> int | None:
     return None
 
 
+def _gatherer(names: list[tuple[str, ...]]) -> Callable[[Any], list]:
+    """A function of a cache's layers that returns, in one list, the attributes ``names[i]``
+    of each layer ``i`` (a layer short of one raises ``AttributeError``), built of C-level
+    ``map`` and ``operator.attrgetter`` when every layer has the same names."""
+    if len(set(names)) == 1 and len(names[0]) > 1:
+        get = operator.attrgetter(*names[0])
+        return lambda layers: list(chain.from_iterable(map(get, layers)))
+    gets = [operator.attrgetter(*n) if len(n) > 1 else
+            (lambda layer, n=n[0]: (getattr(layer, n),)) if n else (lambda layer: ())
+            for n in names]
+    return lambda layers: [t for layer, get in zip(layers, gets, strict=True)
+                           for t in get(layer)]
+
+
+def _same_addresses(tensors: list[torch.Tensor], ptrs: tuple[list[int], list[int]]) -> bool:
+    """Whether ``tensors`` start at the addresses ``ptrs[0]`` (``ptrs[1]``: their indices,
+    ``0 .. n-1``): PyTorch's own check in C where the build has it (the CUDA builds;
+    Inductor's CUDA graphs check their static inputs with it), else ``data_ptr`` mapped over
+    them."""
+    if len(tensors) != len(ptrs[0]):
+        return False
+    if _PTRS_EQUAL is not None:
+        return _PTRS_EQUAL(tensors, *ptrs)
+    return list(map(torch.Tensor.data_ptr, tensors)) == ptrs[0]
+
+
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
 class CapturedStep:
     """``forward`` (a compiled decode step) replayed from CUDA graphs captured per cache and
     input shapes; see the module docstring."""
@@ -128,19 +159,35 @@ class CapturedStep:
         layer objects holding the same tensor objects at the same addresses. Only ids and
         addresses are kept, so a cache the caller drops is freed. None for a cache with a layer
         that holds no tensors yet (only looked for when the check fails: a checked cache's
-        layers are the ones that held tensors)."""
+        layers are the ones that held tensors).
+        The check runs on every replayed step, before the launch, so it is kept to loops in C
+        (``map``; the addresses compared by PyTorch's own check where it has one): on the
+        H200's host the key took 0.18 ms a step with the check written as a Python loop
+        (thirtieth session, ``examples/host_study.py``)."""
         layers = value.layers
         memo = self._caches.get(id(value))
-        if memo is not None and memo[0]() is value and tuple(map(id, layers)) == memo[1] and all(
-                id(t := getattr(layers[i], name, None)) == tid and t.data_ptr() == ptr
-                for i, name, tid, ptr in memo[2]):
-            return memo[3]
+        if memo is not None and memo[0]() is value and tuple(map(id, layers)) == memo[1]:
+            _, _, gather, ids, ptrs, state = memo
+            try:
+                tensors = gather(layers)
+            except AttributeError:  # a layer lost an attribute: worked out in full below
+                tensors = None
+            if tensors is not None and tuple(map(id, tensors)) == ids and _same_addresses(
+                    tensors, ptrs):
+                return state
         if _unfilled_layer(value) is not None:
             return None
         state = _state(value)  # ("cache", type name, ((layer index, name, address), ...))
-        tensors = [(i, name, id(getattr(layers[i], name)), ptr) for i, name, ptr in state[2]]
+        names = [[] for _ in layers]
+        for i, name, _ in state[2]:
+            names[i].append(name)
+        gather = _gatherer([tuple(n) for n in names])
+        tensors = gather(layers)
         try:
-            self._caches[id(value)] = (weakref.ref(value), tuple(map(id, layers)), tensors, state)
+            self._caches[id(value)] = (weakref.ref(value), tuple(map(id, layers)), gather,
+                                       tuple(map(id, tensors)),
+                                       ([p for *_, p in state[2]], list(range(len(tensors)))),
+                                       state)
         except TypeError:  # no weak references to it: worked out in full on every call
             pass
         return state
@@ -153,8 +200,8 @@ class CapturedStep:
         for name in sorted(kwargs):
             value = kwargs[name]
             if isinstance(value, torch.Tensor):
-                parts.append((name, "tensor", tuple(value.shape), value.stride(), value.dtype,
-                              str(value.device)))
+                parts.append((name, "tensor", value.shape, value.stride(), value.dtype,
+                              value.device))
             elif getattr(value, "layers", None) is not None:
                 state = self._cache_state(value)
                 if state is None:

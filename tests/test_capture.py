@@ -92,6 +92,42 @@ def test_a_cache_key_is_checked_not_rebuilt_and_the_cache_is_not_kept(tiny, monk
     assert alive() is None
 
 
+@pytest.mark.parametrize("check", ["python", "pytorch"])
+def test_the_cache_check_sees_a_tensor_moved_in_place(tiny, monkeypatch, check):
+    """The per-step check of a cache (``_cache_state``) with either address comparison,
+    ``data_ptr`` mapped in Python or PyTorch's C check (CUDA builds only, on a CUDA cache):
+    the second call takes the memo (no walk of the layers), and a layer's tensor that stays
+    the same object but moves (``set_`` onto other storage) gives a new key, as does a layer
+    that loses a tensor."""
+    from dejavu_compile import capture
+
+    device = "cpu"
+    if check == "pytorch":
+        if capture._PTRS_EQUAL is None or not torch.cuda.is_available():
+            pytest.skip("PyTorch's address check is in its CUDA builds, used on a GPU")
+        device = "cuda"
+    else:
+        monkeypatch.setattr(capture, "_PTRS_EQUAL", None)
+    model = tiny("llama").to(device)
+    step = CapturedStep(model.forward)
+    ids, cache = _prefilled(model)
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in _step_args(ids.to(device), cache).items()}
+    key = step.key(args)
+    walks = []
+    state = capture._state
+    monkeypatch.setattr(capture, "_state",
+                        lambda v: (walks.append(1) if v is cache else None) or state(v))
+    assert step.key(args) == key and walks == []
+    values = cache.layers[1].values
+    values.set_(values.clone())  # the same tensor object at another address
+    moved = step.key(args)
+    assert moved != key and walks == [1]
+    assert step.key(args) == moved and walks == [1]  # checked again, not walked
+    del cache.layers[0].keys
+    assert step.key(args) not in (key, moved) and walks == [1, 1]
+
+
 def test_graph_split_calls_the_cut_of_a_capture_only_inside_one():
     """``dejavu::graph_split`` copies its input; inside ``graph_cuts`` (``CapturedStep``'s
     capture) it then calls the cut, so the capture ends one graph there and begins the next."""
