@@ -273,3 +273,19 @@ def test_host_study_times_a_replay_in_its_parts():
     assert split.pop("out") is out and replayed == ["a", "b"]
     assert torch.equal(inputs["x"], kwargs["x"])
     assert set(split) == {"key", "copy", "replay"} and all(v >= 0 for v in split.values())
+
+
+def test_graph_launch_study_checks_its_arguments_before_it_needs_a_gpu():
+    """``graph_launch_study``: sizes below one and CPUs this process may not run on are
+    refused by name; the forked graphs and the long chains hold the same kernels."""
+    study = _load(Path(__file__).parents[1] / "examples" / "graph_launch_study.py")
+    with pytest.raises(SystemExit, match="--layers"):
+        study.main(["--layers", "0"])
+    with pytest.raises(SystemExit, match="--side"):
+        study.main(["--side", "-1"])
+    with pytest.raises(SystemExit, match=r"--cpus \[100000\]"):
+        study.main(["--cpus", "100000"])
+    kernels = {name: layers * (main + side)
+               for name, (layers, main, side, _) in study.shapes(40, 18, 3).items()}
+    assert kernels["forked"] == kernels["chain long"] == 840 and kernels["chain"] == 720
+    assert [pdl for *_, pdl in study.shapes(2, 2, 1).values()].count(True) == 3
