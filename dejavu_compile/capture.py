@@ -110,15 +110,13 @@ def _unfilled_layer(value: Any) -> int | None:
 def _gatherer(names: list[tuple[str, ...]]) -> Callable[[Any], list]:
     """A function of a cache's layers that returns, in one list, the attributes ``names[i]``
     of each layer ``i`` (a layer short of one raises ``AttributeError``), built of C-level
-    ``map`` and ``operator.attrgetter`` when every layer has the same names."""
+    ``map`` and ``operator.attrgetter`` when every layer has the same names (a cache of one
+    kind of layer), else a Python loop."""
     if len(set(names)) == 1 and len(names[0]) > 1:
         get = operator.attrgetter(*names[0])
         return lambda layers: list(chain.from_iterable(map(get, layers)))
-    gets = [operator.attrgetter(*n) if len(n) > 1 else
-            (lambda layer, n=n[0]: (getattr(layer, n),)) if n else (lambda layer: ())
-            for n in names]
-    return lambda layers: [t for layer, get in zip(layers, gets, strict=True)
-                           for t in get(layer)]
+    return lambda layers: [getattr(layer, name) for layer, n in zip(layers, names, strict=True)
+                           for name in n]
 
 
 def _same_addresses(tensors: list[torch.Tensor], ptrs: tuple[list[int], list[int]]) -> bool:
@@ -242,13 +240,20 @@ class CapturedStep:
                       for name, t in tensors.items()}
             captures = [self._capture(kwargs, inputs) for _ in range(self.copies)]
             entry = self._graphs[key] = [inputs, captures, 0]
-        inputs, captures, turn = entry
-        graphs, out = captures[turn]
-        entry[2] = (turn + 1) % len(captures)
-        torch._foreach_copy_([inputs[name] for name in tensors], list(tensors.values()))
+        graphs, out = self._load(entry, tensors)
         for graph in graphs:
             graph.replay()
         return out
+
+    @staticmethod
+    def _load(entry: list, tensors: dict[str, torch.Tensor]) -> tuple[list, Any]:
+        """The capture of ``entry`` (a key's ``_graphs`` entry) that this call replays, its
+        graphs and output (the next call takes the next capture), with the call's ``tensors``
+        copied into the capture's inputs (one launch)."""
+        inputs, captures, turn = entry
+        entry[2] = (turn + 1) % len(captures)
+        torch._foreach_copy_([inputs[name] for name in tensors], list(tensors.values()))
+        return captures[turn]
 
     def _warm(self, key: tuple, kwargs: dict[str, Any]) -> Any:
         """A call of ``key`` not captured yet runs as it is; the next one captures only if this

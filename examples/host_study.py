@@ -134,11 +134,8 @@ def parts(forward, kwargs: dict) -> dict | None:
     entry = forward._graphs.get(key)  # the call's own lookup (CapturedStep.__call__)
     if entry is None:
         return None
-    inputs, captures, turn = entry
-    graphs, out = captures[turn]
-    entry[2] = (turn + 1) % len(captures)
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    torch._foreach_copy_([inputs[name] for name in tensors], list(tensors.values()))
+    graphs, out = forward._load(entry, tensors)  # the call's input copy (CapturedStep.__call__)
     copied = time.perf_counter()
     for graph in graphs:
         graph.replay()

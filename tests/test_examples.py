@@ -225,8 +225,8 @@ def test_host_study_checks_its_modes_and_cpus_before_it_needs_a_gpu():
 
 def test_host_study_times_a_captured_dejavu_step_on_the_cpu(tmp_path):
     """``host_study``'s step loop and its build of a bench mode, on a tiny OPT on the CPU
-    (``CapturedStep`` runs the compiled step as it is there): the three medians of each step
-    are measured, the call is inside the whole step, and the profile saw the step's calls."""
+    (``CapturedStep`` runs the compiled step as it is there): the call's and the whole step's
+    medians are measured, the call is inside the step, and the profile saw the step's calls."""
     import pstats
 
     import transformers as tf
