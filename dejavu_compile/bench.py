@@ -624,7 +624,7 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
                 tok = out.logits[:, -1:].argmax(-1)
                 # the next position made on the GPU from this one, as generate() makes it (a
                 # fresh tensor: a view would recompile), behind the argmax; until the thirtieth
-                # session each step began with a copy of it from the host, synchronous, 25-90
+                # session each step began with a copy of it from the host, synchronous, 24-99
                 # us on the H200's host (examples/host_study.py)
                 pos = pos + 1
                 torch.cuda.synchronize()

@@ -10,7 +10,7 @@ and of the whole step (the call, the next token's argmax, the next position made
 and the wait for the GPU), then a cProfile of 50 steps by own time and by cumulative time. For
 a ``dejavu_captured*`` mode every other timed step is done in ``CapturedStep``'s three parts,
 each timed: its key, the copy of the arguments into the capture's and the graph's replay.
-(The positions: the bench copied each from the host, a synchronous copy of 25-90 us, until
+(The positions: the bench copied each from the host, a synchronous copy of 24-99 us, until
 the thirtieth session, when this study measured it.)
 
 With ``--cpus``, each mode is timed again pinned to each listed CPU in turn
