@@ -55,7 +55,7 @@ import inspect
 import operator
 import weakref
 from collections.abc import Callable
-from itertools import chain
+from functools import partial
 from typing import Any
 
 import torch
@@ -109,12 +109,20 @@ def _unfilled_layer(value: Any) -> int | None:
 
 def _gatherer(names: list[tuple[str, ...]]) -> Callable[[Any], list]:
     """A function of a cache's layers that returns, in one list, the attributes ``names[i]``
-    of each layer ``i`` (a layer short of one raises ``AttributeError``), built of C-level
-    ``map`` and ``operator.attrgetter`` when every layer has the same names (a cache of one
-    kind of layer), else a Python loop."""
-    if len(set(names)) == 1 and len(names[0]) > 1:
-        get = operator.attrgetter(*names[0])
-        return lambda layers: list(chain.from_iterable(map(get, layers)))
+    of each layer ``i`` (a layer short of one raises ``AttributeError``). When every layer has
+    the same names (a cache of one kind of layer), one C-level ``map`` of
+    ``operator.attrgetter`` per name, the list ordered by name and then by layer; else a
+    Python loop, ordered by layer."""
+    if len(set(names)) == 1:
+        gets = [operator.attrgetter(name) for name in names[0]]
+
+        def alike(layers) -> list:
+            out = []
+            for get in gets:
+                out.extend(map(get, layers))
+            return out
+
+        return alike
     return lambda layers: [getattr(layer, name) for layer, n in zip(layers, names, strict=True)
                            for name in n]
 
@@ -134,6 +142,16 @@ def _same_addresses(tensors: list[torch.Tensor], ptrs: tuple[list[int], list[int
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
+def _forget(step: weakref.ref, key: int, _dead: weakref.ref) -> None:
+    """A cache's memo dropped from ``step`` (if it still lives) when the cache is freed. The
+    step is reached through a weak reference: a callback that held its memo dictionary would
+    make a cycle that kept the memo, with the cache's tensors, until the garbage collector
+    ran."""
+    live = step()
+    if live is not None:
+        live._caches.pop(key, None)
+
+
 class CapturedStep:
     """``forward`` (a compiled decode step) replayed from CUDA graphs captured per cache and
     input shapes; see the module docstring."""
@@ -148,47 +166,55 @@ class CapturedStep:
         self._graphs: dict[tuple, list] = {}
         self._seen: set[tuple] = set()
         self._pool = None  # one memory pool for every graph this step captures
-        # id(cache) -> (weak reference, its layers' ids, [(layer index, attribute name,
-        # tensor's id, address)], its part of the key)
+        # id(cache) -> (weak reference to it, its layers, their tensors' gatherer, the tensors,
+        # (their addresses, their indices), its part of the key); see _cache_state
         self._caches: dict[int, tuple] = {}
+        self._states: dict[tuple, int] = {}  # a cache's _state -> its number in the key
 
     def _cache_state(self, value: Any) -> tuple | None:
-        """``_state(value)``, worked out once per cache object and then only checked: the same
-        layer objects holding the same tensor objects at the same addresses. Only ids and
-        addresses are kept, so a cache the caller drops is freed. None for a cache with a layer
-        that holds no tensors yet (only looked for when the check fails: a checked cache's
-        layers are the ones that held tensors).
+        """``_state(value)``'s part of the key, worked out once per cache object and then only
+        checked: the same layer objects holding the same tensor objects at the same addresses.
+        None for a cache with a layer that holds no tensors yet (only looked for when the check
+        fails: a checked cache's layers are the ones that held tensors).
+        The part is ``("cache", n)``, ``n`` this step's number for the cache's addresses (one
+        number per distinct ``_state``), so that the key hashes a few values, not 3 per tensor.
+        The memo keeps the cache's layers and tensors (to check them by identity) only while the
+        cache object lives: a weak reference's callback drops it with the cache, so a cache the
+        caller drops is freed; a layer's tensor replaced stays alive until the next call with
+        that cache, which works the memo out again.
         The check runs on every replayed step, before the launch, so it is kept to loops in C
         (``map``; the addresses compared by PyTorch's own check where it has one): on the
-        H200's host the key took 0.18 ms a step with the check written as a Python loop
-        (thirtieth session, ``examples/host_study.py``)."""
+        H200's host the key took 0.18 ms a step with the check written as a Python loop, 0.13
+        ms with these loops but checking ids (thirtieth session, ``examples/host_study.py``)."""
         layers = value.layers
         memo = self._caches.get(id(value))
-        if memo is not None and memo[0]() is value and tuple(map(id, layers)) == memo[1]:
-            _, _, gather, ids, ptrs, state = memo
+        if memo is not None and memo[0]() is value and len(layers) == len(memo[1]) \
+                and all(map(operator.is_, layers, memo[1])):
+            _, _, gather, kept, ptrs, part = memo
             try:
                 tensors = gather(layers)
             except AttributeError:  # a layer lost an attribute: worked out in full below
                 tensors = None
-            if tensors is not None and tuple(map(id, tensors)) == ids and _same_addresses(
-                    tensors, ptrs):
-                return state
+            if tensors is not None and len(tensors) == len(kept) \
+                    and all(map(operator.is_, tensors, kept)) and _same_addresses(tensors, ptrs):
+                return part
         if _unfilled_layer(value) is not None:
             return None
         state = _state(value)  # ("cache", type name, ((layer index, name, address), ...))
+        part = ("cache", self._states.setdefault(state, len(self._states)))
         names = [[] for _ in layers]
         for i, name, _ in state[2]:
             names[i].append(name)
         gather = _gatherer([tuple(n) for n in names])
         tensors = gather(layers)
         try:
-            self._caches[id(value)] = (weakref.ref(value), tuple(map(id, layers)), gather,
-                                       tuple(map(id, tensors)),
-                                       ([p for *_, p in state[2]], list(range(len(tensors)))),
-                                       state)
+            ref = weakref.ref(value, partial(_forget, weakref.ref(self), id(value)))
         except TypeError:  # no weak references to it: worked out in full on every call
-            pass
-        return state
+            return part
+        self._caches[id(value)] = (ref, list(layers), gather, tensors,
+                                   ([t.data_ptr() for t in tensors], list(range(len(tensors)))),
+                                   part)
+        return part
 
     def key(self, kwargs: dict[str, Any]) -> tuple | None:
         """The capture a call replays: each tensor argument's shape, strides, dtype and device

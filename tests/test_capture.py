@@ -92,6 +92,43 @@ def test_a_cache_key_is_checked_not_rebuilt_and_the_cache_is_not_kept(tiny, monk
     assert alive() is None
 
 
+def test_the_cache_memo_is_freed_with_its_cache_or_its_step(tiny):
+    """The memo holds a cache's layers and tensors (checked by identity) only while both the
+    cache and the step live, freed at once when either goes (no cycle left for the garbage
+    collector), and it hashes into a short key: the cache's part is a number per distinct
+    address set, the same for a second cache object at the same addresses."""
+    import gc
+    import weakref
+
+    model = tiny("llama")
+    gc.disable()
+    try:
+        for drop in ("cache", "step"):
+            step = CapturedStep(model.forward)
+            ids, cache = _prefilled(model)
+            key = step.key(_step_args(ids, cache))
+            part = dict((p[0], p[1:]) for p in key)["past_key_values"]
+            assert part == ("cache", 0)
+            tensor = weakref.ref(cache.layers[0].keys)
+            if drop == "cache":
+                del cache
+                assert tensor() is None and not step._caches
+            else:
+                del step
+                del cache
+                assert tensor() is None
+    finally:
+        gc.enable()
+    step = CapturedStep(model.forward)
+    ids, cache = _prefilled(model)
+    key = step.key(_step_args(ids, cache))
+    twin = type(cache).__new__(type(cache))
+    twin.__dict__.update(vars(cache))  # another object, the same layers
+    assert step.key(_step_args(ids, twin)) == key and len(step._caches) == 2
+    _, other = _prefilled(model)
+    assert step.key(_step_args(ids, other)) != key
+
+
 @pytest.mark.parametrize("check", ["python", "pytorch"])
 def test_the_cache_check_sees_a_tensor_moved_in_place(tiny, monkeypatch, check):
     """The per-step check of a cache (``_cache_state``) with either address comparison,
