@@ -10,7 +10,11 @@ layer:
 - ``lazy qkv``: the fused launch the step runs with option ``fuse_qkv`` (``lazy_qkv``: the
   query as a third matrix of the lazy K/V kernel's grid);
 - ``kv gemv`` and ``lazy kv``: the keys and values alone, as a plain gathered GEMV and through
-  ``lazy_kv``; ``q gemv``: the query alone.
+  ``lazy_kv``; ``q gemv``: the query alone;
+- ``lazy kv GRID TILE`` and ``lazy qkv GRID TILE``: the lazy launches at each tile the
+  autotuner chooses among (``lazy_kv.DECODE_TILES``), with their programs over the
+  selection's slots (``selection``, the default since the thirty-first session) and over every
+  head (``heads``, as before), side by side (``lazy_kv.GRIDS``).
 
 With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``.
 
@@ -74,13 +78,13 @@ def main() -> None:
         layers.append(dict(w=w, b=b, q=q, k=kk, v=v, bq=bq, bk=bk, bv=bv, kv=w[H * HD:],
                            bkv=b[H * HD:], keys=keys, values=values))
 
-    def lazy(lay, config=None):
+    def lazy(lay, config=None, grid="selection"):
         lazy_kv.lazy_kv(x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"],
-                        lay["values"], pos, config=config)
+                        lay["values"], pos, config=config, grid=grid)
 
-    def fused(lay, config=None):
+    def fused(lay, config=None, grid="selection"):
         lazy_kv.lazy_qkv(x, idx, lay["q"], lay["bq"], lay["k"], lay["bk"], lay["v"], lay["bv"],
-                         lay["keys"], lay["values"], pos, config=config)
+                         lay["keys"], lay["values"], pos, config=config, grid=grid)
 
     variants = {
         "separate": (3, lambda lay: (heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD),
@@ -91,6 +95,11 @@ def main() -> None:
         "lazy kv": (2, lazy),
         "q gemv": (1, lambda lay: heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD)),
     }
+    for cfg in lazy_kv.DECODE_TILES:  # each grid at each tile the autotuner chooses among
+        name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT}".format(**cfg)
+        for grid in lazy_kv.GRIDS:
+            variants[f"lazy kv {grid} {name}"] = (2, lambda lay, c=cfg, g=grid: lazy(lay, c, g))
+            variants[f"lazy qkv {grid} {name}"] = (3, lambda lay, c=cfg, g=grid: fused(lay, c, g))
     if args.sweep:  # the lazy kernels at each tile of SWEEP, with and without the query
         for cfg in SWEEP:
             name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT} w{num_warps}".format(**cfg)
@@ -107,7 +116,7 @@ def main() -> None:
         results.append((us, name, matrices * row_bytes))
     print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn:")
     for us, name, nbytes in results:
-        print(f"  {name:24s} {us:6.1f} us a layer  {nbytes / 1e6:5.1f} MB  "
+        print(f"  {name:34s} {us:6.1f} us a layer  {nbytes / 1e6:5.1f} MB  "
               f"{nbytes / us / 1e6:5.2f} TB/s")
 
 

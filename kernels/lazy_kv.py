@@ -92,6 +92,14 @@ PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C":
                  "BLOCK_K": 32 if INTERPRET else 64, "SPLIT": 1, "num_warps": 4}
 
 
+# the programs of a decode step with a selection: one set per slot of the selection's ids (the
+# first slot of each head named computes it) and one more that writes the zeros of every other
+# head ("selection"), or one set per head, an unselected head's only writing its zeros
+# ("heads", the only grid until the thirty-first session: at head density 0.5 half its
+# programs had nothing to compute). A prefill, or a call without a selection, runs over heads.
+GRIDS = ("selection", "heads")
+
+
 def decode_configs() -> list[triton.Config]:
     """Tiles the autotuner sweeps for a decode step. The kernel may run twice on the same call
     with the same result (a second run finds the filled positions present and records the same
@@ -99,6 +107,45 @@ def decode_configs() -> list[triton.Config]:
     if INTERPRET or QUICK_TUNE:
         return [fixed_config(DECODE_FIXED)]
     return [fixed_config(tile) for tile in DECODE_TILES]
+
+
+@triton.jit
+def _record_prefix(cnt_ptr, valid_ptr, programs, prefix):
+    """Counts this program among its head's ``programs``; the last records the head's new
+    valid ``prefix`` and leaves the counter zero. Every program of the head read the old prefix
+    before counting (release)."""
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == programs - 1:
+        tl.store(valid_ptr, prefix)
+        tl.atomic_xchg(cnt_ptr, 0)
+
+
+@triton.jit
+def _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, e, offs_c, mask_c, kv, pid_c,
+                   H, HD, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+                   stride_qb, stride_qn, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The grid over a selection's slots: zeros at the new positions (columns ``offs_c`` of
+    matrix ``kv``) of every head of sequence ``b`` that ``ids`` does not name, and (once, from
+    the keys' first column tile) its valid prefix cut at ``s``, as a program of that head
+    would in the grid over heads; no other program of the launch reads those heads."""
+    for g in range(0, H):
+        if tl.sum((ids == g).to(tl.int32), 0) == 0:
+            if kv == 0:
+                rest = k_ptr + b * stride_kb + g * stride_kh
+                stride_r = stride_kl
+            elif kv == 1:
+                rest = v_ptr + b * stride_vb + g * stride_vh
+                stride_r = stride_vl
+            else:  # the query's rows, row p - s of position p
+                rest = q_ptr + b * stride_qb + g * HD - s * stride_qn
+                stride_r = stride_qn
+            for p0 in range(s, e, BLOCK_P):
+                offs_p = p0 + tl.arange(0, BLOCK_P)
+                zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=rest.dtype.element_ty)
+                tl.store(rest + offs_p[:, None] * stride_r + offs_c[None, :], zeros,
+                         mask=(offs_p < e)[:, None] & mask_c[None, :])
+            if (pid_c == 0) & (kv == 0):
+                prefix = valid_ptr + b * H + g
+                tl.store(prefix, tl.minimum(tl.load(prefix), s))
 
 
 @triton.jit
@@ -111,25 +158,42 @@ def _lazy_kv_kernel(
     stride_qn,
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
-    SPLIT: tl.constexpr, MATS: tl.constexpr,
+    SPLIT: tl.constexpr, MATS: tl.constexpr, SEL: tl.constexpr,
 ):
-    bh, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv = pid_z // SPLIT  # 0 keys, 1 values, 2 the query (MATS 3)
     part = pid_z % SPLIT  # this program's slice of d
     slice_d = tl.cdiv(tl.cdiv(D, SPLIT), BLOCK_K) * BLOCK_K
     d_lo = part * slice_d
     d_hi = tl.minimum(D, d_lo + slice_d)
-    b = bh // H
-    h = bh % H
     s = tl.load(pos_ptr).to(tl.int32)
     e = s + N
-    if ALL:
-        chosen = tl.full([], 1, dtype=tl.int32)
-    else:
+    if SEL:  # slot j of the sequence's ids; the slot after the last one, the other heads
+        slots = NIDS + 1
+        b = pid // slots
+        j = pid % slots
         offs_i = tl.arange(0, BLOCK_IDS)
         ids = tl.load(idx_ptr + b * stride_idx + offs_i, mask=offs_i < NIDS, other=-1)
-        chosen = tl.sum((ids == h).to(tl.int32), 0)
-    lo = tl.minimum(tl.load(valid_ptr + bh), s)
+        h = tl.load(idx_ptr + b * stride_idx + tl.minimum(j, NIDS - 1)).to(tl.int32)
+        # a head's first slot computes it; a repeated id or a pad (-1) computes nothing
+        repeated = tl.sum(((ids == h) & (offs_i < j)).to(tl.int32), 0)
+        chosen = ((j < NIDS) & (h >= 0) & (h < H) & (repeated == 0)).to(tl.int32)
+    else:  # head h of the sequence
+        slots = H
+        b = pid // H
+        h = pid % H
+        j = h
+        if ALL:
+            chosen = tl.full([], 1, dtype=tl.int32)
+        else:
+            offs_i = tl.arange(0, BLOCK_IDS)
+            ids = tl.load(idx_ptr + b * stride_idx + offs_i, mask=offs_i < NIDS, other=-1)
+            chosen = tl.sum((ids == h).to(tl.int32), 0)
+    bh = b * H + h
+    if SEL:  # a slot that computes nothing may hold no head
+        lo = tl.minimum(tl.load(valid_ptr + bh, mask=chosen > 0, other=0), s)
+    else:
+        lo = tl.minimum(tl.load(valid_ptr + bh), s)
     start = lo
     if kv == 0:
         cache = k_ptr + b * stride_kb + h * stride_kh
@@ -187,28 +251,37 @@ def _lazy_kv_kernel(
                     finish_last(sums, out, b_ptr + rows_w[None, :] + 0 * offs_p[:, None],
                                 needed, count, SPLIT, HAS_B, True)
             tile += 1
-    elif part == 0:
-        for p0 in range(s, e, BLOCK_P):
-            offs_p = p0 + tl.arange(0, BLOCK_P)
-            zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=cache.dtype.element_ty)
-            tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :], zeros,
-                     mask=(offs_p < e)[:, None] & mask_c[None, :])
+    elif not SEL:
+        if part == 0:
+            for p0 in range(s, e, BLOCK_P):
+                offs_p = p0 + tl.arange(0, BLOCK_P)
+                zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=cache.dtype.element_ty)
+                tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :], zeros,
+                         mask=(offs_p < e)[:, None] & mask_c[None, :])
+    if SEL:
+        if (j == NIDS) & (part == 0):  # the heads no slot computes: zeros, prefix cut at s
+            _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, e, offs_c, mask_c, kv,
+                           pid_c, H, HD, stride_kb, stride_kh, stride_kl, stride_vb,
+                           stride_vh, stride_vl, stride_qb, stride_qn, BLOCK_P, BLOCK_C)
+
     # the new rows' inputs, kept for later fills, in chunks of BLOCK_K shared out over the
     # sequence's programs: one program copying them all runs its chunks one after another, a
     # load's latency each (40 chunks of OPT-13B's row)
-    programs = tl.num_programs(1) * tl.num_programs(2)  # a head's
+    programs = tl.num_programs(1) * tl.num_programs(2)  # a head's (a slot's)
     chunks = tl.cdiv(D, BLOCK_K)
-    first = h * programs + pid_c * tl.num_programs(2) + pid_z
-    for item in range(first, N * chunks, H * programs):
+    first = j * programs + pid_c * tl.num_programs(2) + pid_z
+    for item in range(first, N * chunks, slots * programs):
         r = item // chunks
         offs_k = (item % chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
         row = tl.load(x_ptr + b * stride_xb + r * stride_xn + offs_k, mask=offs_k < D)
         tl.store(in_ptr + b * stride_ib + (s + r) * stride_il + offs_k, row, mask=offs_k < D)
     # every program of the head read its valid prefix before counting (release); the last
     # one records the new prefix and leaves the counter zero
-    if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == programs - 1:
-        tl.store(valid_ptr + bh, tl.where(chosen > 0, e, lo))
-        tl.atomic_xchg(cnt_ptr + bh, 0)
+    if SEL:
+        if chosen > 0:
+            _record_prefix(cnt_ptr + bh, valid_ptr + bh, programs, e)
+    else:
+        _record_prefix(cnt_ptr + bh, valid_ptr + bh, programs, tl.where(chosen > 0, e, lo))
 
 
 _decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD", "MATS"])(_lazy_kv_kernel)
@@ -228,16 +301,17 @@ def step_config(n: int, config: dict | None = None) -> dict | None:
     return config
 
 
-def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None) -> None:
+def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
+            grid: str = "selection") -> None:
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
     new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``-like dict) when
     given; a prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
     (``step_config``)."""
-    _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config)
+    _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid)
 
 
 def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, grid: str = "selection") -> torch.Tensor:
     """CUDA implementation of ``dejavu::lazy_qkv``: ``lazy_kv`` and the query projection of
     the selected heads in the same launch (a third matrix in the grid), which share its input
     and selection. Returns the query [B, n, H * hd], zeros in the columns of the heads not
@@ -249,12 +323,14 @@ def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | N
         raise ValueError(f"lazy_qkv: out must be a contiguous {x.dtype} tensor of shape {shape}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     q = torch.empty(shape, device=x.device, dtype=x.dtype) if out is None else out
-    _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config)
+    _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid)
     return q
 
 
-def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config) -> None:
+def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) -> None:
     name = "lazy_kv" if q is None else "lazy_qkv"
+    if grid not in GRIDS:
+        raise ValueError(f"{name}: grid must be one of {GRIDS}, got {grid!r}")
     check_dtype(name, x, wk, wv, keys, values, wq)  # (None, without the query, is skipped)
     batch, n, d = x.shape
     heads, hd = keys.shape[1], keys.shape[3]
@@ -272,8 +348,12 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config) -> Non
 
     sums, tile_counts, cmax = split_workspace(keys, heads * hd, mats)
 
-    def grid(meta):
-        return (batch * heads, triton.cdiv(hd, meta["BLOCK_C"]), mats * meta["SPLIT"])
+    # a selection's decode step over its slots (and one for the other heads), else every head
+    sel = grid == "selection" and not every and ids.shape[1] > 0
+    rows = batch * (ids.shape[1] + 1) if sel else batch * heads
+
+    def launch_grid(meta):
+        return (rows, triton.cdiv(hd, meta["BLOCK_C"]), mats * meta["SPLIT"])
 
     args = (x, state.inputs, ids, wk, bk if bk is not None else wk, wv,
             bv if bv is not None else wv, keys, values, pos, state.valid, state.counts, sums,
@@ -286,10 +366,10 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config) -> Non
             values.stride(0), values.stride(1), values.stride(2),
             wk.stride(0) if wq is None else wq.stride(0), 0 if q is None else q.stride(0),
             0 if q is None else q.stride(1))
-    meta = dict(ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv), MATS=mats,
+    meta = dict(ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv), MATS=mats, SEL=sel,
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
     fixed = step_config(n, config)
     if fixed is None:
-        _decode_kernel[grid](*args, **meta)
+        _decode_kernel[launch_grid](*args, **meta)
     else:
-        _lazy_kv_kernel[grid](*args, **meta, **fixed)
+        _lazy_kv_kernel[launch_grid](*args, **meta, **fixed)

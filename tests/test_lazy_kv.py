@@ -100,13 +100,14 @@ _CONFIGS = {  # the decode step's default (d split in two), one position a tile,
 @pytest.mark.parametrize("dtype,bias,batch,hd", [(torch.float16, True, 1, 16),
                                                   (torch.bfloat16, False, 2, 24)])
 @pytest.mark.parametrize("config", list(_CONFIGS))
-def test_kernel_matches_the_reference(dtype, bias, batch, hd, config):
+@pytest.mark.parametrize("grid", ["selection", "heads"])
+def test_kernel_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """Odd sizes (d 40, head dim 24 over tiles of 16), one to three heads selected a step,
-    each form of the kernel's product."""
+    each form of the kernel's product, each grid (over the selection's slots, over heads)."""
     from dejavu_compile.kernels import lazy_kv
 
     def kernel(*args):
-        lazy_kv.lazy_kv(*args, config=_CONFIGS[config])
+        lazy_kv.lazy_kv(*args, config=_CONFIGS[config], grid=grid)
 
     shape = dict(batch=batch, hd=hd, bias=bias, seed=3)
     got = _steps(kernel, dtype, **shape)
@@ -119,6 +120,46 @@ def test_kernel_matches_the_reference(dtype, bias, batch, hd, config):
     sums, counts, _ = kv_state.split_workspace(got[0], 5 * hd)
     assert not sums.any() and not counts.any()
     assert not kv_state.lazy_state(got[0], 40, dtype).counts.any()
+
+
+@pytest.mark.parametrize("grid", ["selection", "heads"])
+def test_kernel_takes_pads_repeats_and_a_shared_row(grid):
+    """Selections as a union or a padded top-k can give them: ids of -1 and past the heads
+    (ignored), a head named twice (computed once: its sums are added once), and one id row
+    shared by a batch of two; the same cache and query as the reference's over 5 steps."""
+    from dejavu_compile.kernels import lazy_kv
+
+    rows = [[[3, -1, 3]], [[0, 7, 2]], [[-1, -1, 1]], [[4, 4, 4]], [[2, 0, 1]]]
+    gen = torch.Generator().manual_seed(13)
+    dtype, batch, heads, hd, d, prompt = torch.float16, 2, 5, 16, 40, 4
+    wq, bq = _weights(heads, hd, d, dtype, gen)[:2]
+    wk, bk, wv, bv = _weights(heads, hd, d, dtype, gen)
+    xs = torch.randn(batch, prompt + len(rows), d, generator=gen).to(DEVICE, dtype)
+    caches, queries = [], []
+    for impl in ("kernel", "reference"):
+        keys = torch.zeros(batch, heads, 12, hd, device=DEVICE, dtype=dtype)
+        values = torch.zeros_like(keys)
+        keys[:, :, :prompt] = _dense(xs[:, :prompt], wk, bk, heads, hd).to(dtype)
+        values[:, :, :prompt] = _dense(xs[:, :prompt], wv, bv, heads, hd).to(dtype)
+        for t, row in enumerate(rows, start=prompt):
+            idx = torch.tensor(row, device=DEVICE)  # [1, k]: one row for both sequences
+            pos = torch.tensor([t], device=DEVICE)
+            if impl == "kernel":
+                out = torch.full((batch, 1, heads * hd), float("nan"), device=DEVICE,
+                                 dtype=dtype)
+                q = lazy_kv.lazy_qkv(xs[:, t:t + 1], idx, wq, bq, wk, bk, wv, bv, keys,
+                                     values, pos, config=_CONFIGS["dot_split3"], out=out,
+                                     grid=grid)
+            else:
+                q = _ref_qkv_on_state(xs[:, t:t + 1], idx, wq, bq, wk, bk, wv, bv, keys,
+                                      values, pos)
+            queries.append(q)
+        caches.append((keys, values, kv_state.lazy_state(keys, d, dtype).valid.clone()))
+    tol = dict(atol=2e-2, rtol=2e-2)
+    for g, w in zip(caches[0], caches[1], strict=True):
+        torch.testing.assert_close(g.float(), w.float(), **tol)
+    for g, w in zip(queries[:len(rows)], queries[len(rows):], strict=True):
+        torch.testing.assert_close(g.float(), w.float(), **tol)
 
 
 def _with_query(impl, wq, bq, out):
@@ -138,7 +179,8 @@ def _ref_qkv_on_state(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos):
 @pytest.mark.parametrize("dtype,bias,batch,hd,config", [
     (torch.float16, True, 1, 16, "gemv4_split2"), (torch.bfloat16, False, 2, 24, "dot_split3"),
     (torch.float16, True, 2, 16, "gemv1"), (torch.float16, False, 1, 24, "dot")])
-def test_fused_query_matches_the_reference(dtype, bias, batch, hd, config):
+@pytest.mark.parametrize("grid", ["selection", "heads"])
+def test_fused_query_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """``lazy_qkv``: the query of the selected heads (zeros for the others) from the same
     launch as their keys and values, which stay as ``lazy_kv`` leaves them."""
     from dejavu_compile.kernels import lazy_kv
@@ -149,7 +191,7 @@ def test_fused_query_matches_the_reference(dtype, bias, batch, hd, config):
     shape = dict(batch=batch, hd=hd, bias=bias, seed=3)
     def kernel(x, *args):  # into rows poisoned with NaN: the kernel writes every element
         out = torch.full((x.shape[0], 1, wq.shape[0]), float("nan"), device=DEVICE, dtype=dtype)
-        return lazy_kv.lazy_qkv(x, *args, config=_CONFIGS[config], out=out)
+        return lazy_kv.lazy_qkv(x, *args, config=_CONFIGS[config], out=out, grid=grid)
 
     got = _steps(_with_query(kernel, wq, bq, got_q), dtype, **shape)
     want = _steps(_with_query(_ref_qkv_on_state, wq, bq, want_q), dtype, **shape)
