@@ -707,7 +707,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
-         "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl")
+         "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
+         "dejavu_captured_qkv_sel_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -788,6 +789,11 @@ _DEJAVU_MODES = {
     "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                               "lazy_kv": True, "fuse_qkv": True,
                                                               "batch_positions": True}),
+    # dejavu_captured_qkv_pdl with the lazy K/V kernel's programs over the selection's slots
+    # instead of every head (lazy_kv.GRID_ENV set to "selection"; kernel_switches)
+    "dejavu_captured_qkv_sel_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                               "lazy_kv": True,
+                                                               "fuse_qkv": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
@@ -803,16 +809,21 @@ _CAPTURE_COPIES = {"dejavu_captured2": 2, "dejavu_captured_ahead2": 2}
 def kernel_switches(mode: str):
     """The kernels' environment switches as ``mode`` needs them while the block runs:
     ``DEJAVU_PDL`` (programmatic launch, on by default where it can be) 1 for the modes named
-    ``*_pdl`` and 0 for every other mode, so that each pair compares it, and
-    ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and unset
-    otherwise; restored afterwards."""
+    ``*_pdl`` and 0 for every other mode, so that each pair compares it,
+    ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
+    ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
+    ``dejavu_captured_qkv_sel_pdl``, each unset otherwise; restored afterwards."""
+    from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
         os.environ.pop(STORE_ROWS_ENV, None)
+        os.environ.pop(GRID_ENV, None)
         if mode == "dejavu_store":
             os.environ[STORE_ROWS_ENV] = "1"
+        if mode == "dejavu_captured_qkv_sel_pdl":
+            os.environ[GRID_ENV] = "selection"
         yield
 
 

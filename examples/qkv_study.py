@@ -12,15 +12,16 @@ layer:
 - ``kv gemv`` and ``lazy kv``: the keys and values alone, as a plain gathered GEMV and through
   ``lazy_kv``; ``q gemv``: the query alone;
 - ``lazy kv GRID TILE`` and ``lazy qkv GRID TILE``: the lazy launches at each tile the
-  autotuner chooses among (``lazy_kv.DECODE_TILES``), with their programs over the
-  selection's slots (``selection``, the default since the thirty-first session) and over every
-  head (``heads``, as before), side by side (``lazy_kv.GRIDS``).
+  autotuner chooses among (``lazy_kv.DECODE_TILES``), with their programs over every head
+  (``heads``, the default) and over the selection's slots (``selection``, built in the
+  thirty-first session), side by side (``lazy_kv.GRIDS``).
 
 With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``.
 
 Each variant runs over ``--layers`` copies of the weights in turn (a CUDA graph of repeated
 calls, ``triton.testing.do_bench_cudagraph``), so the weights stream from memory as in a step
-rather than staying in L2. Prints us a layer and TB/s on the bytes of the selected rows.
+rather than staying in L2. Prints us a layer in each of ``--passes`` passes over the variants
+and TB/s on the bytes of the selected rows at the fastest.
 In the twentieth session's OPT-13B step the query and output projections, the up kernel and
 the lazy K/V kernel ran at 2.0-2.4 TB/s (BENCHMARKS.md). In the twenty-first (H200): the two
 launches 33.2-35.9 us a layer, the one GEMV 24.5-26.5, the fused launch 31.5 at the then tile
@@ -56,6 +57,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the lazy kernels at each tile of SWEEP")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="times each variant this many times, the passes in turn, to "
+                             "show each time's spread beside the differences between variants")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("qkv_study needs a CUDA GPU")
@@ -106,18 +110,21 @@ def main() -> None:
             variants[f"lazy kv {name}"] = (2, lambda lay, c=cfg: lazy(lay, c))
             variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
     row_bytes = k * HD * D * 2  # one matrix's selected rows, fp16
-    results = []
-    for name, (matrices, fn) in variants.items():
-        def step(fn=fn):
-            for lay in layers:
-                fn(lay)
-        ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
-        us = ms * 1e3 / len(layers)
-        results.append((us, name, matrices * row_bytes))
-    print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn:")
-    for us, name, nbytes in results:
-        print(f"  {name:34s} {us:6.1f} us a layer  {nbytes / 1e6:5.1f} MB  "
-              f"{nbytes / us / 1e6:5.2f} TB/s")
+    times = {name: [] for name in variants}
+    for _ in range(args.passes):  # every variant once a pass, in the same order
+        for name, (_, fn) in variants.items():
+            def step(fn=fn):
+                for lay in layers:
+                    fn(lay)
+            ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
+            times[name].append(ms * 1e3 / len(layers))
+    print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn, "
+          f"us a layer in each of {args.passes} passes:")
+    for name, (matrices, _) in variants.items():
+        nbytes = matrices * row_bytes
+        best = min(times[name])
+        print(f"  {name:34s} {' '.join(f'{us:6.1f}' for us in times[name])} us a layer  "
+              f"{nbytes / 1e6:5.1f} MB  {nbytes / best / 1e6:5.2f} TB/s at the fastest pass")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ positions filled in from the kept inputs, in one launch (paper section 4.2; the 
 are described in ``kernels/ops.py`` and ``kernels/kv_state.py``, the reference is
 ``kernels/reference.py::lazy_kv``).
 
-Grid: (sequence x K/V head, column tile of the head, keys or values). A program of a selected
+Grid: (sequence x K/V head, column tile of the head, keys or values), or in a decode step with
+``grid="selection"`` (sequence x slot of the selection's ids, plus one slot for the heads not
+named, ...; ``GRIDS``). A program of a selected
 head walks the positions from the head's valid prefix to the last new one in tiles of
 ``BLOCK_P``: a position before the new ones is missing when its key (or value) columns of the
 program's tile are all zero, and the new ones are always computed; a tile with any such position
@@ -42,6 +44,8 @@ dense K/V in three runs of three.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -92,12 +96,28 @@ PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C":
                  "BLOCK_K": 32 if INTERPRET else 64, "SPLIT": 1, "num_warps": 4}
 
 
-# the programs of a decode step with a selection: one set per slot of the selection's ids (the
-# first slot of each head named computes it) and one more that writes the zeros of every other
-# head ("selection"), or one set per head, an unselected head's only writing its zeros
-# ("heads", the only grid until the thirty-first session: at head density 0.5 half its
-# programs had nothing to compute). A prefill, or a call without a selection, runs over heads.
-GRIDS = ("selection", "heads")
+# the programs of a decode step with a selection: one set per head, an unselected head's only
+# writing its zeros ("heads"; at head density 0.5 half the programs have nothing to compute),
+# or one set per slot of the selection's ids (the first slot of each head named computes it)
+# and one more that writes the zeros of every other head ("selection", built in the
+# thirty-first session). A prefill, or a call without a selection, runs over heads. The default
+# is "heads", "selection" where ``DEJAVU_LAZY_GRID=selection`` (``dejavu bench`` mode
+# ``dejavu_captured_qkv_sel_pdl``): in ``examples/qkv_study.py`` on an H200 the selection grid
+# was not faster at every tile (at the shipped OPT-13B tile with the query, C64 K64 S4, 36.5
+# against 28.1 us a layer with its first form, whose extra slot looped over the heads), and
+# the OPT-13B step with that form took 4.0 ms of GPU time, against 3.72 in the thirtieth
+# session's rounds (BENCHMARKS.md).
+GRIDS = ("heads", "selection")
+GRID_ENV = "DEJAVU_LAZY_GRID"
+
+
+def default_grid() -> str:
+    """The grid of a launch that names none: ``DEJAVU_LAZY_GRID`` if set (one of ``GRIDS``,
+    else an error), else "heads"."""
+    grid = os.environ.get(GRID_ENV, GRIDS[0])
+    if grid not in GRIDS:
+        raise ValueError(f"{GRID_ENV}={grid!r}: set it to one of {GRIDS}")
+    return grid
 
 
 def decode_configs() -> list[triton.Config]:
@@ -120,32 +140,29 @@ def _record_prefix(cnt_ptr, valid_ptr, programs, prefix):
 
 
 @triton.jit
-def _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, e, offs_c, mask_c, kv, pid_c,
-                   H, HD, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-                   stride_qb, stride_qn, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The grid over a selection's slots: zeros at the new positions (columns ``offs_c`` of
-    matrix ``kv``) of every head of sequence ``b`` that ``ids`` does not name, and (once, from
-    the keys' first column tile) its valid prefix cut at ``s``, as a program of that head
-    would in the grid over heads; no other program of the launch reads those heads."""
-    for g in range(0, H):
-        if tl.sum((ids == g).to(tl.int32), 0) == 0:
-            if kv == 0:
-                rest = k_ptr + b * stride_kb + g * stride_kh
-                stride_r = stride_kl
-            elif kv == 1:
-                rest = v_ptr + b * stride_vb + g * stride_vh
-                stride_r = stride_vl
-            else:  # the query's rows, row p - s of position p
-                rest = q_ptr + b * stride_qb + g * HD - s * stride_qn
-                stride_r = stride_qn
-            for p0 in range(s, e, BLOCK_P):
-                offs_p = p0 + tl.arange(0, BLOCK_P)
-                zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=rest.dtype.element_ty)
-                tl.store(rest + offs_p[:, None] * stride_r + offs_c[None, :], zeros,
-                         mask=(offs_p < e)[:, None] & mask_c[None, :])
-            if (pid_c == 0) & (kv == 0):
-                prefix = valid_ptr + b * H + g
-                tl.store(prefix, tl.minimum(tl.load(prefix), s))
+def _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, offs_c, mask_c, kv, pid_c, H, HD,
+                   stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_qb,
+                   BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The grid over a selection's slots (a decode step: one new position, ``s``): zeros at
+    position ``s`` (columns ``offs_c`` of matrix ``kv``) of every head of sequence ``b`` that
+    ``ids`` does not name, and (once, from the keys' first column tile) its valid prefix cut
+    at ``s``, as a program of that head would in the grid over heads; no other program of the
+    launch reads those heads. All heads in one store, not a loop over them: a loop of 40 heads
+    in one program ran after the others had finished."""
+    offs_g = tl.arange(0, BLOCK_H)
+    named = tl.sum((ids[None, :] == offs_g[:, None]).to(tl.int32), 1)
+    rest = (offs_g < H) & (named == 0)
+    if kv == 0:
+        rows = k_ptr + b * stride_kb + offs_g[:, None] * stride_kh + s * stride_kl
+    elif kv == 1:
+        rows = v_ptr + b * stride_vb + offs_g[:, None] * stride_vh + s * stride_vl
+    else:  # the query's rows: the new position is row 0
+        rows = q_ptr + b * stride_qb + offs_g[:, None] * HD
+    tl.store(rows + offs_c[None, :], tl.zeros([BLOCK_H, BLOCK_C], dtype=rows.dtype.element_ty),
+             mask=rest[:, None] & mask_c[None, :])
+    if (pid_c == 0) & (kv == 0):
+        prefix = valid_ptr + b * H + offs_g
+        tl.store(prefix, tl.minimum(tl.load(prefix, mask=rest, other=0), s), mask=rest)
 
 
 @triton.jit
@@ -158,7 +175,7 @@ def _lazy_kv_kernel(
     stride_qn,
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
-    SPLIT: tl.constexpr, MATS: tl.constexpr, SEL: tl.constexpr,
+    SPLIT: tl.constexpr, MATS: tl.constexpr, SEL: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv = pid_z // SPLIT  # 0 keys, 1 values, 2 the query (MATS 3)
@@ -169,6 +186,7 @@ def _lazy_kv_kernel(
     s = tl.load(pos_ptr).to(tl.int32)
     e = s + N
     if SEL:  # slot j of the sequence's ids; the slot after the last one, the other heads
+        # (a decode step: N is 1)
         slots = NIDS + 1
         b = pid // slots
         j = pid % slots
@@ -260,9 +278,9 @@ def _lazy_kv_kernel(
                          mask=(offs_p < e)[:, None] & mask_c[None, :])
     if SEL:
         if (j == NIDS) & (part == 0):  # the heads no slot computes: zeros, prefix cut at s
-            _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, e, offs_c, mask_c, kv,
+            _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, offs_c, mask_c, kv,
                            pid_c, H, HD, stride_kb, stride_kh, stride_kl, stride_vb,
-                           stride_vh, stride_vl, stride_qb, stride_qn, BLOCK_P, BLOCK_C)
+                           stride_vh, stride_vl, stride_qb, BLOCK_H, BLOCK_C)
 
     # the new rows' inputs, kept for later fills, in chunks of BLOCK_K shared out over the
     # sequence's programs: one program copying them all runs its chunks one after another, a
@@ -302,16 +320,16 @@ def step_config(n: int, config: dict | None = None) -> dict | None:
 
 
 def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
-            grid: str = "selection") -> None:
+            grid: str | None = None) -> None:
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
     new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``-like dict) when
     given; a prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
-    (``step_config``)."""
+    (``step_config``). ``grid``: one of ``GRIDS``, ``default_grid()`` when None."""
     _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid)
 
 
 def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
-             out: torch.Tensor | None = None, grid: str = "selection") -> torch.Tensor:
+             out: torch.Tensor | None = None, grid: str | None = None) -> torch.Tensor:
     """CUDA implementation of ``dejavu::lazy_qkv``: ``lazy_kv`` and the query projection of
     the selected heads in the same launch (a third matrix in the grid), which share its input
     and selection. Returns the query [B, n, H * hd], zeros in the columns of the heads not
@@ -329,6 +347,7 @@ def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | N
 
 def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) -> None:
     name = "lazy_kv" if q is None else "lazy_qkv"
+    grid = default_grid() if grid is None else grid
     if grid not in GRIDS:
         raise ValueError(f"{name}: grid must be one of {GRIDS}, got {grid!r}")
     check_dtype(name, x, wk, wv, keys, values, wq)  # (None, without the query, is skipped)
@@ -367,6 +386,7 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) 
             wk.stride(0) if wq is None else wq.stride(0), 0 if q is None else q.stride(0),
             0 if q is None else q.stride(1))
     meta = dict(ALL=every, HAS_B=bk is not None, IEEE=ieee(x, wk, wv), MATS=mats, SEL=sel,
+                BLOCK_H=triton.next_power_of_2(heads),
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
     fixed = step_config(n, config)
     if fixed is None:
