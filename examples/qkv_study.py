@@ -82,11 +82,11 @@ def main() -> None:
         layers.append(dict(w=w, b=b, q=q, k=kk, v=v, bq=bq, bk=bk, bv=bv, kv=w[H * HD:],
                            bkv=b[H * HD:], keys=keys, values=values))
 
-    def lazy(lay, config=None, grid="selection"):
+    def lazy(lay, config=None, grid=None):
         lazy_kv.lazy_kv(x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"],
                         lay["values"], pos, config=config, grid=grid)
 
-    def fused(lay, config=None, grid="selection"):
+    def fused(lay, config=None, grid=None):
         lazy_kv.lazy_qkv(x, idx, lay["q"], lay["bq"], lay["k"], lay["bk"], lay["v"], lay["bv"],
                          lay["keys"], lay["values"], pos, config=config, grid=grid)
 
