@@ -102,11 +102,11 @@ PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C":
 # and one more that writes the zeros of every other head ("selection", built in the
 # thirty-first session). A prefill, or a call without a selection, runs over heads. The default
 # is "heads", "selection" where ``DEJAVU_LAZY_GRID=selection`` (``dejavu bench`` mode
-# ``dejavu_captured_qkv_sel_pdl``): in ``examples/qkv_study.py`` on an H200 the selection grid
-# was not faster at every tile (at the shipped OPT-13B tile with the query, C64 K64 S4, 36.5
-# against 28.1 us a layer with its first form, whose extra slot looped over the heads), and
-# the OPT-13B step with that form took 4.0 ms of GPU time, against 3.72 in the thirtieth
-# session's rounds (BENCHMARKS.md).
+# ``dejavu_captured_qkv_sel_pdl``): on an H200 the selection grid was slower. In
+# ``examples/qkv_study.py``, at the shipped OPT-13B tile with the query (C64 K64 S4), 36.5
+# against 28.1 us a layer in its first form (its extra slot looped over the heads); in the
+# OPT-13B step, side by side, 4.17 against 3.88 ms in this vectorised form (thirty-first
+# session, BENCHMARKS.md).
 GRIDS = ("heads", "selection")
 GRID_ENV = "DEJAVU_LAZY_GRID"
 
