@@ -202,15 +202,15 @@ class CapturedStep:
             return None
         state = _state(value)  # ("cache", type name, ((layer index, name, address), ...))
         part = ("cache", self._states.setdefault(state, len(self._states)))
+        try:
+            ref = weakref.ref(value, partial(_forget, weakref.ref(self), id(value)))
+        except TypeError:  # no weak references to it: worked out in full on every call
+            return part
         names = [[] for _ in layers]
         for i, name, _ in state[2]:
             names[i].append(name)
         gather = _gatherer([tuple(n) for n in names])
         tensors = gather(layers)
-        try:
-            ref = weakref.ref(value, partial(_forget, weakref.ref(self), id(value)))
-        except TypeError:  # no weak references to it: worked out in full on every call
-            return part
         self._caches[id(value)] = (ref, list(layers), gather, tensors,
                                    ([t.data_ptr() for t in tensors], list(range(len(tensors)))),
                                    part)

@@ -185,27 +185,24 @@ def _lazy_kv_kernel(
     d_hi = tl.minimum(D, d_lo + slice_d)
     s = tl.load(pos_ptr).to(tl.int32)
     e = s + N
-    if SEL:  # slot j of the sequence's ids; the slot after the last one, the other heads
-        # (a decode step: N is 1)
-        slots = NIDS + 1
-        b = pid // slots
-        j = pid % slots
+    # slot j of the sequence's ids, the slot after the last one the other heads (a decode
+    # step: N is 1); or head h of the sequence
+    slots = NIDS + 1 if SEL else H
+    b = pid // slots
+    j = pid % slots
+    if not ALL:
         offs_i = tl.arange(0, BLOCK_IDS)
         ids = tl.load(idx_ptr + b * stride_idx + offs_i, mask=offs_i < NIDS, other=-1)
+    if SEL:
         h = tl.load(idx_ptr + b * stride_idx + tl.minimum(j, NIDS - 1)).to(tl.int32)
         # a head's first slot computes it; a repeated id or a pad (-1) computes nothing
         repeated = tl.sum(((ids == h) & (offs_i < j)).to(tl.int32), 0)
         chosen = ((j < NIDS) & (h >= 0) & (h < H) & (repeated == 0)).to(tl.int32)
-    else:  # head h of the sequence
-        slots = H
-        b = pid // H
-        h = pid % H
-        j = h
+    else:
+        h = j
         if ALL:
             chosen = tl.full([], 1, dtype=tl.int32)
         else:
-            offs_i = tl.arange(0, BLOCK_IDS)
-            ids = tl.load(idx_ptr + b * stride_idx + offs_i, mask=offs_i < NIDS, other=-1)
             chosen = tl.sum((ids == h).to(tl.int32), 0)
     bh = b * H + h
     if SEL:  # a slot that computes nothing may hold no head
@@ -269,19 +266,18 @@ def _lazy_kv_kernel(
                     finish_last(sums, out, b_ptr + rows_w[None, :] + 0 * offs_p[:, None],
                                 needed, count, SPLIT, HAS_B, True)
             tile += 1
-    elif not SEL:
-        if part == 0:
+    elif part == 0:
+        if SEL:
+            if j == NIDS:  # the heads no slot computes: zeros, prefix cut at s
+                _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, offs_c, mask_c, kv,
+                               pid_c, H, HD, stride_kb, stride_kh, stride_kl, stride_vb,
+                               stride_vh, stride_vl, stride_qb, BLOCK_H, BLOCK_C)
+        else:
             for p0 in range(s, e, BLOCK_P):
                 offs_p = p0 + tl.arange(0, BLOCK_P)
                 zeros = tl.zeros([BLOCK_P, BLOCK_C], dtype=cache.dtype.element_ty)
                 tl.store(cache + offs_p[:, None] * stride_l + offs_c[None, :], zeros,
                          mask=(offs_p < e)[:, None] & mask_c[None, :])
-    if SEL:
-        if (j == NIDS) & (part == 0):  # the heads no slot computes: zeros, prefix cut at s
-            _zero_the_rest(ids, k_ptr, v_ptr, q_ptr, valid_ptr, b, s, offs_c, mask_c, kv,
-                           pid_c, H, HD, stride_kb, stride_kh, stride_kl, stride_vb,
-                           stride_vh, stride_vl, stride_qb, BLOCK_H, BLOCK_C)
-
     # the new rows' inputs, kept for later fills, in chunks of BLOCK_K shared out over the
     # sequence's programs: one program copying them all runs its chunks one after another, a
     # load's latency each (40 chunks of OPT-13B's row)
