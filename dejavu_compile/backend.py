@@ -69,7 +69,8 @@ def _dump(folder: Path, number: int, step: int, name: str, gm: fx.GraphModule) -
 
 def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
     """Inductor's config for the rewritten graph: CUDA graphs when asked, multi-kernel
-    reductions when asked (``DejavuOptions.multi_kernel``), and no
+    reductions when asked (``DejavuOptions.multi_kernel``), programmatic launch of its own
+    kernels when asked (``DejavuOptions.inductor_pdl``), and no
     ``reorder_for_locality`` unless asked (``DejavuOptions.reorder_for_locality``). That
     post-grad pass moves each producer right before its first consumer:
     - it put every predictor the lookahead pass moved a layer ahead back beside the sparse op
@@ -86,7 +87,19 @@ def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
         patches["graph_partition"] = True
     if opts.multi_kernel:  # each qualifying reduction both ways, the faster kept
         patches["triton.multi_kernel"] = 1
+    if opts.inductor_pdl:  # Inductor's kernels launched programmatically, as ours are
+        if not inductor_has("triton.enable_pdl"):
+            raise ValueError(f"option 'inductor_pdl' needs an Inductor with "
+                             f"triton.enable_pdl; torch {torch.__version__} has none")
+        patches["triton.enable_pdl"] = True
     return patches
+
+
+def inductor_has(key: str) -> bool:
+    """Whether this PyTorch's Inductor has the config ``key`` (a dotted name)."""
+    from torch._inductor import config as inductor_config
+
+    return key in inductor_config.get_config_copy()
 
 
 def seed_shipped_configs(example_inputs) -> None:

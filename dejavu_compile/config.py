@@ -184,6 +184,15 @@ class DejavuOptions:
         (two kernels per such reduction); nothing changes on CPU. Off by default: in the one
         run on an H200 (bench mode ``dejavu_captured_lazy_mk_pdl``, BENCHMARKS.md, nineteenth
         session) Inductor kept the loops, and the step was no faster (5.01 against 5.07 ms).
+    inductor_pdl: Inductor's own Triton kernels (the fused residual adds and layer norms,
+        the cache positions) launch with programmatic dependent launch, as the dejavu kernels
+        do (``kernels/triton_common.py``): each may start while the kernel before it drains,
+        waits for it before reading what it wrote, and lets the next start once its own
+        inputs are read (Inductor's ``triton.enable_pdl``; Hopper or later, nothing changes
+        on CPU). Every kernel between two dejavu ops of OPT-13B's captured step is
+        Inductor's, and without it each of them waits for the one before to finish and holds
+        the next back until it has finished too. Needs a PyTorch whose Inductor has the
+        switch (an error names the version otherwise). Off by default until measured.
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
@@ -223,6 +232,7 @@ class DejavuOptions:
     fuse_qkv: bool = True
     batch_positions: bool = False
     multi_kernel: bool = False
+    inductor_pdl: bool = False
     shipped_configs: bool = True
     dump_dir: str | None = None
 

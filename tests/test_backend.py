@@ -680,6 +680,24 @@ def test_multi_kernel_option_reaches_inductor():
         DejavuOptions.from_mapping({**base, "multi_kernel": 1})
 
 
+def test_inductor_pdl_option_reaches_inductor(monkeypatch):
+    """``inductor_pdl`` sets Inductor's ``triton.enable_pdl`` for the rewritten graph; off, the
+    key is not set; an Inductor without the switch is an error naming the option, not a
+    silently plain launch."""
+    base = {"selector": "oracle", "mlp_density": 0.5}
+    assert dejavu_compile.backend.inductor_has("triton.multi_kernel")
+    assert not dejavu_compile.backend.inductor_has("triton.no_such_switch")
+    assert "triton.enable_pdl" not in dejavu_compile.backend.inductor_patches(
+        DejavuOptions.from_mapping(base))
+    opts = DejavuOptions.from_mapping({**base, "inductor_pdl": True})
+    assert dejavu_compile.backend.inductor_patches(opts)["triton.enable_pdl"] is True
+    with pytest.raises(TypeError, match="inductor_pdl"):
+        DejavuOptions.from_mapping({**base, "inductor_pdl": "yes"})
+    monkeypatch.setattr(dejavu_compile.backend, "inductor_has", lambda key: False)  # older
+    with pytest.raises(ValueError, match="inductor_pdl.*enable_pdl"):
+        dejavu_compile.backend.inductor_patches(opts)
+
+
 def test_shipped_configs_are_seeded_for_each_cuda_gpu_of_the_inputs(monkeypatch, tiny):
     """Option ``shipped_configs`` (on by default): the backend seeds the shipped kernel configs
     for the GPU model of each CUDA device its graph's inputs are on; CPU inputs seed nothing,

@@ -488,3 +488,39 @@ def test_multi_kernel_in_the_captured_lazy_step():
     assert any(marker in c for c in codes[True]) and not any(marker in c for c in codes[False])
     torch.testing.assert_close(runs[True], runs[False],
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
+
+
+def test_inductor_pdl_in_the_captured_qkv_step():
+    """The bench's ``dejavu_captured_qkv_ipdl_pdl`` step on a small OPT: with option
+    ``inductor_pdl`` Inductor's own kernels wait for their predecessors and start their
+    successors programmatically (its code holds ``gdc_wait``; without the option it does not),
+    and the replayed step, every dejavu kernel launched programmatically beside them, gives
+    the logits of the step without the option, to the tolerance of fp16 sums added in another
+    order (atomics)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dejavu_compile.bench import kernel_switches
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    model = _small_opt(6)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(7))
+    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+            "lazy_kv": True, "fuse_qkv": True, "cudagraphs": False}
+    runs, codes = {}, {}
+    for pdl in (False, True):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={**base, "inductor_pdl": pdl})
+        # no cached graph: its code would not pass through the hook
+        with kernel_switches("dejavu_captured_qkv_ipdl_pdl"), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            _, codes[pdl] = run_and_get_code(_teacher_forced_logits, model, fwd, tokens, 24)
+            runs[pdl] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
+                                               tokens, 24)
+    marker = "gdc_wait()"
+    assert any(marker in c for c in codes[True]) and not any(marker in c for c in codes[False])
+    assert dejavu_compile.report(model).counters.get("fuse_qkv", 0) >= 5
+    torch.testing.assert_close(runs[True], runs[False],
+                               atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
