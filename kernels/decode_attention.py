@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .kv import check_decode
-from .triton_common import INTERPRET, QUICK_TUNE, check_dtype
+from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, pdl_meta, wait_inputs
 
 # Chunks are whole multiples of LONG_CHUNK keys, so every autotuned block size divides them;
 # a cache too short to give MIN_PROGRAMS programs that way is cut into CHUNK_UNIT-key chunks
@@ -98,7 +98,9 @@ def _split_kernel(
     IEEE: tl.constexpr,  # dots in fp32 (``_fp32_dots``)
     MERGE: tl.constexpr,  # the last program of each KV head merges its chunks (``cnt_ptr``)
     GR: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's rows and chunks at once
+    PDL: tl.constexpr,
 ):
+    wait_inputs(PDL)  # the query and the cache are the kernels' before
     bh, chunk = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     b, kvh = bh // KVH, bh % KVH
@@ -202,11 +204,13 @@ def _combine_kernel(
     o_ptr, m_ptr, l_ptr, out_ptr,
     G, D, KVH, SPLITS, so_b, so_h,
     GP: tl.constexpr, GR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # program (batch x KV head, GR rows of its group): the split kernel's merge as a launch
     # of its own, one query head a program (GR = 1) as before b1dcc65, when the combine took
     # 67 us a Llama-3-8B step on an H200 (6ee37d2); one program a KV head took 114 us at
     # f3622db (BENCHMARKS.md, eleventh session, a run in which all our kernels ran slow)
+    wait_inputs(PDL)  # the partials are the split kernel's, the kernel before
     bh = tl.program_id(0)
     _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + (bh // KVH) * so_b, bh, SPLITS, G,
                   tl.program_id(1) * GR, (bh % KVH) * G, D, so_h, GP, GR, BLOCK_D, BLOCK_S)
@@ -262,7 +266,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
         out.stride(0), out.stride(1),
         HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, IEEE=_fp32_dots(k.dtype), MERGE=merge,
-        GR=gr, BLOCK_S=block_s,
+        GR=gr, BLOCK_S=block_s, **pdl_meta(),
     )
     if merge:
         return out
@@ -270,6 +274,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         part_o, part_m, part_l, out,
         g, d, kvh, splits, out.stride(0), out.stride(1),
         GP=gp, GR=COMBINE_ROWS, BLOCK_D=block_d,
-        BLOCK_S=merge_block(splits, COMBINE_ROWS, block_d), num_warps=4,
+        BLOCK_S=merge_block(splits, COMBINE_ROWS, block_d), num_warps=4, **pdl_meta(),
     )
     return out

@@ -62,6 +62,8 @@ from .triton_common import (
     finish_last,
     fixed_config,
     ieee,
+    pdl_meta,
+    wait_inputs,
 )
 
 # a decode step's configs (one new token): positions in tiles of BLOCK_P, multiplied on the tensor
@@ -176,7 +178,10 @@ def _lazy_kv_kernel(
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
     SPLIT: tl.constexpr, MATS: tl.constexpr, SEL: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # the position, ids, input and the state of the cache may all be the kernels' before
+    wait_inputs(PDL)
     pid, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv = pid_z // SPLIT  # 0 keys, 1 values, 2 the query (MATS 3)
     part = pid_z % SPLIT  # this program's slice of d
@@ -385,6 +390,7 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) 
                 BLOCK_H=triton.next_power_of_2(heads),
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
     fixed = step_config(n, config)
+    meta.update(pdl_meta())
     if fixed is None:
         _decode_kernel[launch_grid](*args, **meta)
     else:

@@ -521,6 +521,11 @@ def test_inductor_pdl_in_the_captured_qkv_step():
                                                tokens, 24)
     marker = "gdc_wait()"
     assert any(marker in c for c in codes[True]) and not any(marker in c for c in codes[False])
+    # a kernel that starts early and never waits could finish before its predecessor, and its
+    # successor's wait would not cover that one: every kernel of the step waits
+    kernels = [k for c in codes[True] for k in c.split("async_compile.triton(")[1:]]
+    assert kernels and all(marker in k for k in kernels), [
+        k[:80] for k in kernels if marker not in k]
     assert dejavu_compile.report(model).counters.get("fuse_qkv", 0) >= 5
     torch.testing.assert_close(runs[True], runs[False],
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
