@@ -708,7 +708,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
          "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
-         "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl")
+         "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl",
+         "dejavu_captured_ahead_ipdl_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -800,6 +801,10 @@ _DEJAVU_MODES = {
                                                                 "lazy_kv": True,
                                                                 "fuse_qkv": True,
                                                                 "inductor_pdl": True}),
+    # dejavu_captured_ahead (Llama-3-8B's step) with every kernel launched programmatically,
+    # Inductor's own too
+    "dejavu_captured_ahead_ipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                                  "inductor_pdl": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,

@@ -192,7 +192,11 @@ class DejavuOptions:
         on CPU). Every kernel between two dejavu ops of OPT-13B's captured step is
         Inductor's, and without it each of them waits for the one before to finish and holds
         the next back until it has finished too. Needs a PyTorch whose Inductor has the
-        switch (an error names the version otherwise). Off by default until measured.
+        switch (an error names the version otherwise). On an H200 (thirty-second session,
+        BENCHMARKS.md) OPT-13B's captured step took 3.67 and 3.87 ms with it against 3.78 and
+        3.91 without, side by side in two runs (bench modes ``dejavu_captured_qkv_ipdl_pdl``
+        and ``dejavu_captured_qkv_pdl``), and its GPU test on the small OPT step passed. Off
+        by default: the Llama form of that test has not run on a GPU yet.
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes

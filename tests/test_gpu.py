@@ -490,24 +490,32 @@ def test_multi_kernel_in_the_captured_lazy_step():
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
 
 
-def test_inductor_pdl_in_the_captured_qkv_step():
-    """The bench's ``dejavu_captured_qkv_ipdl_pdl`` step on a small OPT: with option
-    ``inductor_pdl`` Inductor's own kernels wait for their predecessors and start their
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
+    """The bench's ``dejavu_captured_qkv_ipdl_pdl`` step on a small OPT (lazy K/V, the query
+    fused in), and Llama-3-8B's ``dejavu_captured_ahead`` step on a small Llama (lookahead
+    predictors on a side stream, rotary embeddings in Inductor's kernels), with option
+    ``inductor_pdl``: Inductor's own kernels wait for their predecessors and start their
     successors programmatically (its code holds ``gdc_wait``; without the option it does not),
-    and the replayed step, every dejavu kernel launched programmatically beside them, gives
-    the logits of the step without the option, to the tolerance of fp16 sums added in another
+    and the replayed step, every dejavu kernel launched programmatically beside them, gives the
+    logits of the step without the option, to the tolerance of fp16 sums added in another
     order (atomics)."""
     from torch._inductor.utils import run_and_get_code
 
-    from dejavu_compile.bench import kernel_switches
+    from dejavu_compile.bench import kernel_switches, random_profile
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    model = _small_opt(6)
+    if arch == "opt":
+        model = _small_opt(6)
+        base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+                "lazy_kv": True, "fuse_qkv": True, "cudagraphs": False}
+    else:
+        model = bench.small_llama(6)
+        base = {"profile": random_profile(model, 0.5, 1.0, 64, tmp_path / "ahead.yaml",
+                                          lookahead=True), "cudagraphs": False}
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(7))
-    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-            "lazy_kv": True, "fuse_qkv": True, "cudagraphs": False}
     runs, codes = {}, {}
     for pdl in (False, True):
         torch._dynamo.reset()
@@ -526,6 +534,10 @@ def test_inductor_pdl_in_the_captured_qkv_step():
     kernels = [k for c in codes[True] for k in c.split("async_compile.triton(")[1:]]
     assert kernels and all(marker in k for k in kernels), [
         k[:80] for k in kernels if marker not in k]
-    assert dejavu_compile.report(model).counters.get("fuse_qkv", 0) >= 5
+    counters = dejavu_compile.report(model).counters
+    if arch == "opt":
+        assert counters.get("fuse_qkv", 0) >= 5
+    else:
+        assert counters.get("lookahead[mlp]", 0) > 0
     torch.testing.assert_close(runs[True], runs[False],
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
