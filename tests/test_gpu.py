@@ -456,16 +456,34 @@ def test_programmatic_launch_in_the_captured_lazy_step():
                                atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+def _off_and_on(model, tokens: torch.Tensor, steps: int, base: dict, option: str,
+                mode: str) -> tuple[dict, dict]:
+    """The teacher-forced logits of the step replayed through ``CapturedStep`` and Inductor's
+    code for the step, compiled with ``base`` and the switch ``option`` off, then on (keys
+    False and True), under ``kernel_switches(mode)``."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dejavu_compile.bench import kernel_switches
+
+    runs, codes = {}, {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={**base, option: on})
+        # no cached graph: its code would not pass through the hook
+        with kernel_switches(mode), torch._inductor.config.patch(fx_graph_cache=False):
+            _, codes[on] = run_and_get_code(_teacher_forced_logits, model, fwd, tokens, steps)
+            runs[on] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
+                                              steps)
+    return runs, codes
+
+
 def test_multi_kernel_in_the_captured_lazy_step():
     """The bench's ``dejavu_captured_lazy_mk_pdl`` step on an OPT whose rows (2048) are too long
     for Inductor's one-pass layer norm by default: with option ``multi_kernel`` Inductor's code
     holds multi-kernels (each reduction compiled both ways, the faster kept at the first call,
     before the capture), and the replayed step gives the logits of the step without them, to
     the tolerance of fp16 sums added in another order."""
-    from torch._inductor.utils import run_and_get_code
-
-    from dejavu_compile.bench import kernel_switches
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
     model = _small_opt(4, hidden=2048)
@@ -473,17 +491,8 @@ def test_multi_kernel_in_the_captured_lazy_step():
                            generator=torch.Generator("cuda").manual_seed(6))
     base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
             "lazy_kv": True, "fuse_qkv": False, "cudagraphs": False}
-    runs, codes = {}, {}
-    for multi in (False, True):
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={**base, "multi_kernel": multi})
-        # no cached graph: its code would not pass through the hook
-        with kernel_switches("dejavu_captured_lazy_mk_pdl"), \
-                torch._inductor.config.patch(fx_graph_cache=False):
-            _, codes[multi] = run_and_get_code(_teacher_forced_logits, model, fwd, tokens, 16)
-            runs[multi] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                                 tokens, 16)
+    runs, codes = _off_and_on(model, tokens, 16, base, "multi_kernel",
+                              "dejavu_captured_lazy_mk_pdl")
     marker = "async_compile.multi_kernel("
     assert any(marker in c for c in codes[True]) and not any(marker in c for c in codes[False])
     torch.testing.assert_close(runs[True], runs[False],
@@ -500,9 +509,7 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
     and the replayed step, every dejavu kernel launched programmatically beside them, gives the
     logits of the step without the option, to the tolerance of fp16 sums added in another
     order (atomics)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from dejavu_compile.bench import kernel_switches, random_profile
+    from dejavu_compile.bench import random_profile
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
@@ -516,17 +523,8 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
                                           lookahead=True), "cudagraphs": False}
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(7))
-    runs, codes = {}, {}
-    for pdl in (False, True):
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={**base, "inductor_pdl": pdl})
-        # no cached graph: its code would not pass through the hook
-        with kernel_switches("dejavu_captured_qkv_ipdl_pdl"), \
-                torch._inductor.config.patch(fx_graph_cache=False):
-            _, codes[pdl] = run_and_get_code(_teacher_forced_logits, model, fwd, tokens, 24)
-            runs[pdl] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                               tokens, 24)
+    runs, codes = _off_and_on(model, tokens, 24, base, "inductor_pdl",
+                              "dejavu_captured_qkv_ipdl_pdl")
     marker = "gdc_wait()"
     assert any(marker in c for c in codes[True]) and not any(marker in c for c in codes[False])
     # a kernel that starts early and never waits could finish before its predecessor, and its
