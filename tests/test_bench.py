@@ -342,6 +342,25 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def test_shipped_keys_fit_their_kernels_arguments():
+    """A shipped key is the kernel's tuning arguments then the dtype of each of its tensor
+    arguments (the ``*_ptr`` ones), as Triton builds it: a key written before a kernel gained or
+    lost a tensor argument would never match again, and its kernel would tune in every
+    process instead of running the shipped tile."""
+    from dejavu_compile.kernels import tuning
+
+    tuners = tuning.autotuners()
+    for path in sorted((ROOT / "kernels" / "tuned").glob("*.json")):
+        for name, entries in tuning.load_shipped(json.loads(path.read_text())["about"]["gpu"]
+                                                 ).items():
+            tuner = tuners[name]
+            tensors = [a for a in tuner.fn.arg_names if a.endswith("_ptr")]
+            for entry in entries:
+                key = entry["key"]
+                assert len(key) == len(tuner.keys) + len(tensors), (path.name, name, key)
+                assert all(str(k).startswith("torch.") for k in key[len(tuner.keys):]), key
+
+
 def test_shipped_configs_file_names_and_absence(monkeypatch, tmp_path):
     """A GPU's file is named after its device name; a GPU without one seeds nothing and is not
     listed; under the interpreter nothing is seeded; a file without ``tuned`` is refused."""
@@ -466,6 +485,23 @@ def test_only_the_sel_mode_sets_the_lazy_grid(monkeypatch):
     monkeypatch.setenv(lazy_kv.GRID_ENV, "rows")
     with pytest.raises(ValueError, match="DEJAVU_LAZY_GRID='rows'"):
         lazy_kv.default_grid()
+
+
+def test_only_the_pf_modes_prefetch_the_down_rows(monkeypatch):
+    """The modes named ``*_pf_*`` run the up kernel with the down kernel's rows prefetched
+    into L2 (``DEJAVU_PREFETCH=1``), ``*_pf2_*`` with evict-last priority (2), every other mode
+    without, whatever the environment said; the environment is restored."""
+    from dejavu_compile.kernels.triton_common import PREFETCH_ENV
+
+    monkeypatch.setenv(PREFETCH_ENV, "2")  # set outside: the mode says its own
+    for mode, want in (("dejavu_captured_qkv_pdl", None), ("dejavu_captured_ahead", None),
+                       ("dejavu_captured_qkv_pf_pdl", "1"), ("dejavu_captured_ahead_pf_pdl", "1"),
+                       ("dejavu_captured_qkv_pf2_pdl", "2"),
+                       ("dejavu_captured_ahead_pf2_pdl", "2")):
+        assert mode in bench.SPARSE_MODES
+        with bench.kernel_switches(mode):
+            assert os.environ.get(PREFETCH_ENV) == want, mode
+    assert os.environ[PREFETCH_ENV] == "2"
 
 
 def test_readme_describes_every_bench_mode():

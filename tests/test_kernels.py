@@ -686,6 +686,89 @@ def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
         assert not workspace.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("level", ["1", "2"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
+def test_sparse_mlp_with_the_down_rows_prefetched(dtype, level, gated, density, monkeypatch):
+    """With ``DEJAVU_PREFETCH`` the up kernel asks L2 for the down kernel's rows: the output
+    is the reference's, with a fill or on a workspace (given back zero). The up kernel runs at
+    the level asked on a CUDA GPU wherever the down rows are as long as the input's, and at 0
+    on this machine (the interpreter has no inline PTX) or where they are not."""
+    from dejavu_compile.kernels import ops, triton_common
+
+    monkeypatch.setenv(triton_common.PREFETCH_ENV, level)
+    real, levels = sparse_mlp.launch, []
+
+    def spy(kernel, grid, *args, **meta):
+        if kernel is sparse_mlp._up_kernel:
+            levels.append(meta["PREFETCH"])
+        real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(sparse_mlp, "launch", spy)
+    d, n = 37, 45
+    k = max(1, round(density * n))
+    x = _rand(1, 1, d, dtype=dtype, seed=0)
+    w1, w_up = _rand(n, d, dtype=dtype, seed=1), _rand(n, d, dtype=dtype, seed=2)
+    b1 = None if gated else _rand(n, dtype=dtype, seed=3)
+    idx = _selection(1, n, k).view(1, 1, k)
+    act = "silu" if gated else "relu"
+    for d_out, on in ((d, DEVICE == "cuda"), (29, False)):
+        w2_t, b2 = _rand(n, d_out, dtype=dtype, seed=4), _rand(d_out, dtype=dtype, seed=5)
+        gate = w_up if gated else None
+        want = _ref64(ref.sparse_mlp, x, idx, w1, b1, gate, w2_t, b2, act)
+        space = torch.zeros(ops.workspace_numel(1, d_out, k, gated), device=DEVICE)
+        for workspace in (None, space):
+            levels.clear()
+            got = sparse_mlp.sparse_mlp(x, idx, w1, b1, gate, w2_t, b2, act,
+                                        workspace=workspace)
+            assert levels == [int(level) if on else 0]
+            torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        assert not space.any()
+
+
+def test_prefetch_level_refuses_unknown_values(monkeypatch):
+    from dejavu_compile.kernels import triton_common
+
+    monkeypatch.setenv(triton_common.PREFETCH_ENV, "3")
+    with pytest.raises(ValueError, match="DEJAVU_PREFETCH='3'"):
+        triton_common.prefetch_level(torch.device("cpu"))
+    monkeypatch.delenv(triton_common.PREFETCH_ENV)
+    assert triton_common.prefetch_level(torch.device("cpu")) == 0
+
+
+def test_up_kernel_prefetch_assembles_for_hopper(tmp_path):
+    """The prefetch is inline PTX, which the interpreter cannot run: compile the up kernel for
+    an sm_90 GPU here (Triton's own ptxas: no GPU needed) at each level, and check that the
+    PTX asks L2 for lines as the level says (plain, evict-last, none) and that ptxas took it."""
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dejavu_compile.kernels import sparse_mlp
+fn = sparse_mlp._up_kernel.fn
+ptrs = {"x_ptr": "*fp16", "idx_ptr": "*i64", "w1_ptr": "*fp16", "wup_ptr": "*fp16",
+        "pre_ptr": "*fp32", "up_out_ptr": "*fp32", "w2t_ptr": "*fp16"}
+for level in (0, 1, 2):
+    const = dict(GATED=True, ATOMIC=True, BLOCK_N=16, BLOCK_D=256, TILES=2, PDL=True,
+                 AFTER=False, PREFETCH=level)
+    sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+    out = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
+    lines = [l.split()[1] for l in out.asm["ptx"].splitlines() if "prefetch." in l]
+    assert out.asm["cubin"], level
+    print(level, sorted(set(lines)))
+"""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["0 []", "1 ['prefetch.global.L2']",
+                                       "2 ['prefetch.global.L2::evict_last']"], out.stdout
+
+
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
     """Under programmatic launch the up kernel may load its ids and x before it waits only when
     the kernel before it is the op's own (the zero-fill, or the gated op's gather): on a
