@@ -709,9 +709,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
          "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
          "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl",
-         "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_pf_pdl",
-         "dejavu_captured_qkv_pf2_pdl", "dejavu_captured_ahead_pf_pdl",
-         "dejavu_captured_ahead_pf2_pdl")
+         "dejavu_captured_ahead_ipdl_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -807,17 +805,6 @@ _DEJAVU_MODES = {
     # Inductor's own too
     "dejavu_captured_ahead_ipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                                   "inductor_pdl": True}),
-    # dejavu_captured_qkv_pdl and dejavu_captured_ahead (OPT-13B's and Llama-3-8B's steps) with
-    # the up kernel prefetching the down kernel's rows into L2 (triton_common.PREFETCH_ENV:
-    # 1 for *_pf_*, 2, evict-last, for *_pf2_*; kernel_switches)
-    "dejavu_captured_qkv_pf_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                              "lazy_kv": True,
-                                                              "fuse_qkv": True}),
-    "dejavu_captured_qkv_pf2_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                               "lazy_kv": True,
-                                                               "fuse_qkv": True}),
-    "dejavu_captured_ahead_pf_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
-    "dejavu_captured_ahead_pf2_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
@@ -836,19 +823,14 @@ def kernel_switches(mode: str):
     ``*_pdl`` and 0 for every other mode, so that each pair compares it,
     ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
     ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
-    ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_PREFETCH`` (the down projection's rows
-    prefetched into L2) 1 for the modes with ``_pf_`` in their name and 2 for ``_pf2_``, each
-    unset otherwise; restored afterwards."""
+    ``dejavu_captured_qkv_sel_pdl``, each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
-    from dejavu_compile.kernels.triton_common import PDL_ENV, PREFETCH_ENV, STORE_ROWS_ENV
+    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
         os.environ.pop(STORE_ROWS_ENV, None)
         os.environ.pop(GRID_ENV, None)
-        os.environ.pop(PREFETCH_ENV, None)
-        if "_pf_" in mode or "_pf2_" in mode:
-            os.environ[PREFETCH_ENV] = "2" if "_pf2_" in mode else "1"
         if mode == "dejavu_store":
             os.environ[STORE_ROWS_ENV] = "1"
         if mode == "dejavu_captured_qkv_sel_pdl":

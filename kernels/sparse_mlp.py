@@ -64,8 +64,6 @@ from .triton_common import (
     ieee,
     launch,
     partials,
-    prefetch_level,
-    prefetch_rows,
     reduce_configs,
     reduce_slots,
     selection,
@@ -87,12 +85,12 @@ from .triton_common import (
 @triton.autotune(configs=tile_configs(), key=["D", "K"], reset_to_zero=["pre_ptr", "up_out_ptr"])
 @triton.jit
 def _up_kernel(
-    # pointers (``w2t_ptr``: the down projection's rows, read only with PREFETCH)
-    x_ptr, idx_ptr, w1_ptr, wup_ptr, pre_ptr, up_out_ptr, w2t_ptr,
+    # pointers
+    x_ptr, idx_ptr, w1_ptr, wup_ptr, pre_ptr, up_out_ptr,
     # sizes
     D, K,
     # strides (rows; columns are contiguous)
-    stride_x, stride_idx, stride_w1, stride_wup, stride_pre, stride_w2n,
+    stride_x, stride_idx, stride_w1, stride_wup, stride_pre,
     # between the slots of partial sums (deterministic mode, ATOMIC false; a slot per pid_d)
     stride_part,
     # meta-parameters
@@ -101,9 +99,6 @@ def _up_kernel(
     # load before the wait, and the down kernel may start now. Otherwise (a workspace, no fill)
     # they may be that kernel's own outputs (the selector's ids): wait first
     TILES: tl.constexpr, PDL: tl.constexpr, AFTER: tl.constexpr,
-    # ``triton_common.prefetch_level``: L2 prefetch of the same slice of the same neurons' rows
-    # of ``W2_t`` ([N, D], its columns contiguous) for the down kernel (0: none)
-    PREFETCH: tl.constexpr,
 ):
     if AFTER:
         start_dependents(PDL)  # the down kernel loads its first weights while these run
@@ -130,10 +125,6 @@ def _up_kernel(
     add_partial(pre_ptr + out, tl.sum(acc, 1), mask_n, ATOMIC)
     if GATED:
         add_partial(up_out_ptr + out, tl.sum(acc_up, 1), mask_n, ATOMIC)
-    if PREFETCH:
-        # last, so that the requests queue behind this program's own loads, not ahead of them
-        prefetch_rows(w2t_ptr, neurons, valid, stride_w2n, pid_d * TILES * BLOCK_D,
-                      TILES * BLOCK_D, D, PREFETCH)
 
 
 @triton.autotune(configs=store_configs(), key=["D", "K"])
@@ -375,11 +366,9 @@ def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, dev
 
 
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool,
-               w2_t, after: bool = True):
+               after: bool = True):
     """``after``: the kernel launched last is the op's own (its zero-fill or gather), so the
-    up kernel may load the ids and x before it waits (``_up_kernel``'s ``AFTER``). ``w2_t``:
-    the down kernel's weights, which the per-row kernel may prefetch into L2
-    (``triton_common.prefetch_level``; only where their rows are as long as ``rows``')."""
+    up kernel may load the ids and x before it waits (``_up_kernel``'s ``AFTER``)."""
     d, k, n_rows = rows.shape[1], sel.shape[1], rows.shape[0]
     if shared(sel, n_rows):
         launch(_up_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -392,14 +381,13 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
                GATED=gated, ATOMIC=not det, IEEE=ieee(rows, w, w_up), ROWS=UNION_ROWS,
                fixed=UNION_TILE_FIXED if det else None)
     else:
-        level = prefetch_level(rows.device) if w2_t.shape[1] == d and w2_t.stride(1) == 1 else 0
         launch(_up_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"]),
                                       triton.cdiv(d, m["BLOCK_D"] * m["TILES"])),
-               rows, sel, w, w_up, pre_target, up_target, w2_t,
+               rows, sel, w, w_up, pre_target, up_target,
                d, k,
                rows.stride(0), idx_stride(sel), w.stride(0), w_up.stride(0), parts.stride(2),
-               w2_t.stride(0), parts.stride(0) if det else 0,
-               GATED=gated, ATOMIC=not det, AFTER=after, PREFETCH=level,
+               parts.stride(0) if det else 0,
+               GATED=gated, ATOMIC=not det, AFTER=after,
                fixed=TILE_LOOP_FIXED if det else None)
 
 
@@ -469,7 +457,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
                                          x.dtype, union=union_ids, workspace=workspace)
     # on a workspace no fill runs: the kernel before the up kernel is another op's
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
-               w2_t, after=clean is None)
+               after=clean is None)
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)
@@ -498,7 +486,7 @@ def sparse_mlp_gated(x, idx, g, w_up, w2_t, b2, act: str, union: bool = False) -
     # the gate of each row at the ids (padding reads unit 0; the kernels skip it)
     torch.gather(g.reshape(n_rows, -1).float(), 1, sel.clamp_min(0).expand(n_rows, -1),
                  out=pre[0, 0])
-    _launch_up(rows, sel, w_up, w_up, pre[0, 1], pre[0, 1], pre, False, det, w2_t)
+    _launch_up(rows, sel, w_up, w_up, pre[0, 1], pre[0, 1], pre, False, det)
     _launch_down(total(pre, det), sel, None, w2_t, out, act, True, det, fin, b2, cnt)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)

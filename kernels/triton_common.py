@@ -186,53 +186,6 @@ def stores_rows() -> bool:
     return os.environ.get(STORE_ROWS_ENV) == "1"
 
 
-# Inside the decode step the gathered projections run at about half of copy bandwidth (the
-# OPT-13B down kernel at 1.5 TB/s, 14.5 us a layer: BENCHMARKS.md), and the down kernel reads
-# the rows of the very neurons the up kernel has just read. With ``DEJAVU_PREFETCH`` the up
-# kernel's programs, once their own loads are done, ask L2 for the same slice of those
-# neurons' rows of ``W2_t`` (one ``prefetch.global.L2`` per 128-byte line, no registers, no
-# wait), so the down kernel finds them there. 1: plain prefetches; 2: with L2's evict-last
-# priority, so that the up kernel's own stream of rows does not push them out first. Off (0)
-# unless set; CUDA only (compiled Triton: the interpreter has no inline PTX).
-PREFETCH_ENV = "DEJAVU_PREFETCH"
-PREFETCH_LEVELS = ("0", "1", "2")
-
-
-def prefetch_level(device: torch.device) -> int:
-    """``PREFETCH_ENV``'s level for kernels on ``device``: 0 off (the default, and always on
-    a CPU or under the interpreter), 1 plain L2 prefetches, 2 with evict-last priority. Any
-    other value is an error."""
-    asked = os.environ.get(PREFETCH_ENV, "0")
-    if asked not in PREFETCH_LEVELS:
-        raise ValueError(f"{PREFETCH_ENV}={asked!r}: set it to 0 (off, the default), 1 (L2 "
-                         f"prefetch of the down projection's rows) or 2 (the same, kept in L2 "
-                         f"with evict-last priority)")
-    return int(asked) if device.type == "cuda" and not INTERPRET else 0
-
-
-@triton.jit
-def prefetch_rows(w_ptr, rows, valid, stride_w, col0, NCOLS: tl.constexpr, DCOLS,
-                  LEVEL: tl.constexpr):
-    """Ask L2 for ``NCOLS`` columns from ``col0`` (those under ``DCOLS``) of the rows ``rows``
-    of ``W`` (those ``valid``), one request per 128-byte line; ``LEVEL`` as
-    ``prefetch_level``. Nothing waits for the data: a later kernel's loads find it in L2."""
-    LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # columns a line
-    LINES: tl.constexpr = NCOLS // LINE if NCOLS >= LINE else 1
-    offs = col0 + tl.arange(0, LINES) * LINE
-    ptrs = w_ptr + rows[:, None] * stride_w + offs[None, :]
-    ok = (valid[:, None] & (offs[None, :] < DCOLS)).to(tl.int32)
-    if LEVEL == 2:
-        tl.inline_asm_elementwise(
-            "{\n.reg .pred %p;\nsetp.ne.u32 %p, $2, 0;\n"
-            "@%p prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;\n}",
-            "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{\n.reg .pred %p;\nsetp.ne.u32 %p, $2, 0;\n"
-            "@%p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
-            "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
     """Launch the autotuned ``kernel`` over ``grid`` (a function of the meta-parameters), or,
     with ``fixed``, the kernel under it with that config (no autotuning); ``PDL`` as

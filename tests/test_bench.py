@@ -487,23 +487,6 @@ def test_only_the_sel_mode_sets_the_lazy_grid(monkeypatch):
         lazy_kv.default_grid()
 
 
-def test_only_the_pf_modes_prefetch_the_down_rows(monkeypatch):
-    """The modes named ``*_pf_*`` run the up kernel with the down kernel's rows prefetched
-    into L2 (``DEJAVU_PREFETCH=1``), ``*_pf2_*`` with evict-last priority (2), every other mode
-    without, whatever the environment said; the environment is restored."""
-    from dejavu_compile.kernels.triton_common import PREFETCH_ENV
-
-    monkeypatch.setenv(PREFETCH_ENV, "2")  # set outside: the mode says its own
-    for mode, want in (("dejavu_captured_qkv_pdl", None), ("dejavu_captured_ahead", None),
-                       ("dejavu_captured_qkv_pf_pdl", "1"), ("dejavu_captured_ahead_pf_pdl", "1"),
-                       ("dejavu_captured_qkv_pf2_pdl", "2"),
-                       ("dejavu_captured_ahead_pf2_pdl", "2")):
-        assert mode in bench.SPARSE_MODES
-        with bench.kernel_switches(mode):
-            assert os.environ.get(PREFETCH_ENV) == want, mode
-    assert os.environ[PREFETCH_ENV] == "2"
-
-
 def test_readme_describes_every_bench_mode():
     from pathlib import Path
 
