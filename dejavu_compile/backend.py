@@ -70,7 +70,8 @@ def _dump(folder: Path, number: int, step: int, name: str, gm: fx.GraphModule) -
 def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
     """Inductor's config for the rewritten graph: CUDA graphs when asked, multi-kernel
     reductions when asked (``DejavuOptions.multi_kernel``), programmatic launch of its own
-    kernels when asked (``DejavuOptions.inductor_pdl``), and no
+    kernels when asked or, by default, wherever the dejavu kernels launch that way
+    (``DejavuOptions.inductor_pdl``), and no
     ``reorder_for_locality`` unless asked (``DejavuOptions.reorder_for_locality``). That
     post-grad pass moves each producer right before its first consumer:
     - it put every predictor the lookahead pass moved a layer ahead back beside the sparse op
@@ -87,7 +88,12 @@ def inductor_patches(opts: DejavuOptions) -> dict[str, Any]:
         patches["graph_partition"] = True
     if opts.multi_kernel:  # each qualifying reduction both ways, the faster kept
         patches["triton.multi_kernel"] = 1
-    if opts.inductor_pdl:  # Inductor's kernels launched programmatically, as ours are
+    pdl = opts.inductor_pdl
+    if pdl is None:  # the default: with the dejavu kernels' own, where this Inductor has it
+        from dejavu_compile.kernels.triton_common import programmatic
+
+        pdl = programmatic() and inductor_has("triton.enable_pdl")
+    if pdl:  # Inductor's kernels launched programmatically, as ours are
         if not inductor_has("triton.enable_pdl"):
             raise ValueError(f"option 'inductor_pdl' needs an Inductor with "
                              f"triton.enable_pdl; torch {torch.__version__} has none")

@@ -709,7 +709,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
          "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
          "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl",
-         "dejavu_captured_ahead_ipdl_pdl")
+         "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -796,7 +796,8 @@ _DEJAVU_MODES = {
                                                                "lazy_kv": True,
                                                                "fuse_qkv": True}),
     # dejavu_captured_qkv_pdl with Inductor's own kernels launched programmatically too
-    # (option inductor_pdl)
+    # (option inductor_pdl; since it became the default, with every *_pdl mode, the two are
+    # the same step, and dejavu_captured_qkv_noipdl_pdl is the one without)
     "dejavu_captured_qkv_ipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                                 "lazy_kv": True,
                                                                 "fuse_qkv": True,
@@ -805,6 +806,12 @@ _DEJAVU_MODES = {
     # Inductor's own too
     "dejavu_captured_ahead_ipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                                   "inductor_pdl": True}),
+    # dejavu_captured_qkv_pdl with Inductor's kernels launched plainly (option inductor_pdl
+    # off; on by default wherever the dejavu kernels launch programmatically)
+    "dejavu_captured_qkv_noipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                                  "lazy_kv": True,
+                                                                  "fuse_qkv": True,
+                                                                  "inductor_pdl": False}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,

@@ -191,12 +191,17 @@ class DejavuOptions:
         inputs are read (Inductor's ``triton.enable_pdl``; Hopper or later, nothing changes
         on CPU). Every kernel between two dejavu ops of OPT-13B's captured step is
         Inductor's, and without it each of them waits for the one before to finish and holds
-        the next back until it has finished too. Needs a PyTorch whose Inductor has the
-        switch (an error names the version otherwise). On an H200 (thirty-second session,
-        BENCHMARKS.md) OPT-13B's captured step took 3.67 and 3.87 ms with it against 3.78 and
-        3.91 without, side by side in two runs (bench modes ``dejavu_captured_qkv_ipdl_pdl``
-        and ``dejavu_captured_qkv_pdl``), and its GPU test on the small OPT step passed. Off
-        by default: the Llama form of that test has not run on a GPU yet.
+        the next back until it has finished too. None (the default): on wherever the dejavu
+        kernels launch programmatically (``triton_common.programmatic``: Hopper or later,
+        not in deterministic mode, not ``DEJAVU_PDL=0``) and this PyTorch's Inductor has the
+        switch; True asks for it (an Inductor without the switch is then an error naming the
+        version); False keeps Inductor's launches plain. On an H200, side by side, OPT-13B's
+        captured step ran faster with it in all four rounds of two sessions (3.67, 3.65,
+        3.67 and 3.87 ms against 3.78, 3.74, 3.73 and 3.91; bench modes
+        ``dejavu_captured_qkv_ipdl_pdl`` and ``dejavu_captured_qkv_pdl`` as they were then),
+        and Llama-3-8B's in one round (3.44 ms against 3.65 with no programmatic launch at
+        all); its GPU tests on a small OPT step and a small Llama lookahead step pass
+        (BENCHMARKS.md, thirty-second and thirty-third sessions).
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
@@ -236,7 +241,7 @@ class DejavuOptions:
     fuse_qkv: bool = True
     batch_positions: bool = False
     multi_kernel: bool = False
-    inductor_pdl: bool = False
+    inductor_pdl: bool | None = None
     shipped_configs: bool = True
     dump_dir: str | None = None
 

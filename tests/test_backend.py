@@ -682,13 +682,21 @@ def test_multi_kernel_option_reaches_inductor():
 
 def test_inductor_pdl_option_reaches_inductor(monkeypatch):
     """``inductor_pdl`` sets Inductor's ``triton.enable_pdl`` for the rewritten graph; off, the
-    key is not set; an Inductor without the switch is an error naming the option, not a
-    silently plain launch."""
+    key is not set; by default it follows the dejavu kernels' programmatic launch (off on this
+    machine) where Inductor has the switch; asked for, an Inductor without the switch is an
+    error naming the option, not a silently plain launch."""
+    from dejavu_compile.kernels import triton_common
+
     base = {"selector": "oracle", "mlp_density": 0.5}
     assert dejavu_compile.backend.inductor_has("triton.multi_kernel")
     assert not dejavu_compile.backend.inductor_has("triton.no_such_switch")
-    assert "triton.enable_pdl" not in dejavu_compile.backend.inductor_patches(
-        DejavuOptions.from_mapping(base))
+    default = DejavuOptions.from_mapping(base)
+    assert default.inductor_pdl is None and not triton_common.programmatic()
+    assert "triton.enable_pdl" not in dejavu_compile.backend.inductor_patches(default)
+    monkeypatch.setattr(triton_common, "programmatic", lambda: True)  # a Hopper GPU
+    assert dejavu_compile.backend.inductor_patches(default)["triton.enable_pdl"] is True
+    off = DejavuOptions.from_mapping({**base, "inductor_pdl": False})
+    assert "triton.enable_pdl" not in dejavu_compile.backend.inductor_patches(off)
     opts = DejavuOptions.from_mapping({**base, "inductor_pdl": True})
     assert dejavu_compile.backend.inductor_patches(opts)["triton.enable_pdl"] is True
     with pytest.raises(TypeError, match="inductor_pdl"):
@@ -696,6 +704,7 @@ def test_inductor_pdl_option_reaches_inductor(monkeypatch):
     monkeypatch.setattr(dejavu_compile.backend, "inductor_has", lambda key: False)  # older
     with pytest.raises(ValueError, match="inductor_pdl.*enable_pdl"):
         dejavu_compile.backend.inductor_patches(opts)
+    assert "triton.enable_pdl" not in dejavu_compile.backend.inductor_patches(default)
 
 
 def test_shipped_configs_are_seeded_for_each_cuda_gpu_of_the_inputs(monkeypatch, tiny):
