@@ -709,7 +709,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
          "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
          "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl",
-         "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl")
+         "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
+         "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl")
 SPARSE_MODES = MODES[4:]
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -812,6 +813,13 @@ _DEJAVU_MODES = {
                                                                   "lazy_kv": True,
                                                                   "fuse_qkv": True,
                                                                   "inductor_pdl": False}),
+    # dejavu_captured_qkv_pdl and dejavu_captured_ahead_ipdl_pdl (OPT-13B's and Llama-3-8B's
+    # default steps) with the up kernel of each lookahead MLP loading its ids and first
+    # weights before its wait (triton_common.EARLY_UP_ENV set to 1; kernel_switches)
+    "dejavu_captured_qkv_early_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
+                                                                 "lazy_kv": True,
+                                                                 "fuse_qkv": True}),
+    "dejavu_captured_ahead_early_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
@@ -830,14 +838,19 @@ def kernel_switches(mode: str):
     ``*_pdl`` and 0 for every other mode, so that each pair compares it,
     ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
     ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
-    ``dejavu_captured_qkv_sel_pdl``, each unset otherwise; restored afterwards."""
+    ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_EARLY_UP`` (a lookahead MLP's up kernel
+    loads its ids and first weights before its wait) 1 for the modes named ``*_early_pdl``,
+    each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
-    from dejavu_compile.kernels.triton_common import PDL_ENV, STORE_ROWS_ENV
+    from dejavu_compile.kernels.triton_common import EARLY_UP_ENV, PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
         os.environ.pop(STORE_ROWS_ENV, None)
         os.environ.pop(GRID_ENV, None)
+        os.environ.pop(EARLY_UP_ENV, None)
+        if mode.endswith("_early_pdl"):
+            os.environ[EARLY_UP_ENV] = "1"
         if mode == "dejavu_store":
             os.environ[STORE_ROWS_ENV] = "1"
         if mode == "dejavu_captured_qkv_sel_pdl":

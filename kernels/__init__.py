@@ -31,7 +31,7 @@ if __name__ != "kernels":
         ops.lazy_kv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_kv, 9))
         ops.lazy_qkv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_qkv, 11))
     # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
-    ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9))
+    ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9, tells_ahead=HAVE_TRITON))
     ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))
     ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
     ops.select_hidden.register_kernel("cuda")(predictor.select_hidden)

@@ -69,11 +69,13 @@ def join(device: torch.device, slot: int) -> None:
         torch.cuda.current_stream(device).wait_event(_events(device, slot)[1])
 
 
-def waiting(impl, n_args: int):
+def waiting(impl, n_args: int, tells_ahead: bool = False):
     """Wrap a CUDA implementation of ``sparse_mlp`` / ``sparse_head_proj`` (whose own arguments
     are the first ``n_args``) so it first joins the lookahead predictor named by the op's
     trailing ``keep`` and ``slot`` arguments; a ``workspace`` after them (``sparse_mlp``) goes
-    on to the implementation."""
+    on to the implementation. With ``tells_ahead`` the implementation also hears, as
+    ``ahead=True``, that its ids came from such a predictor (``slot`` set): written a layer
+    earlier, never by the kernel right before its own."""
 
     def run(*args, keep=None, slot=-1, workspace=None):
         if len(args) > n_args:
@@ -81,7 +83,10 @@ def waiting(impl, n_args: int):
             slot = extra[1] if len(extra) > 1 else slot
             workspace = extra[2] if len(extra) > 2 else workspace
         join(args[0].device, slot)
-        return impl(*args) if workspace is None else impl(*args, workspace=workspace)
+        kwargs = {} if workspace is None else {"workspace": workspace}
+        if tells_ahead and slot >= 0:
+            kwargs["ahead"] = True
+        return impl(*args, **kwargs)
 
     run.__doc__ = impl.__doc__
     run.__name__ = getattr(impl, "__name__", "run")

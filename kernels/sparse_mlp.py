@@ -56,6 +56,7 @@ from .triton_common import (
     deterministic,
     dot_rows,
     dot_split,
+    early_up,
     finish,
     finish_last,
     fused_targets,
@@ -63,6 +64,7 @@ from .triton_common import (
     idx_stride,
     ieee,
     launch,
+    load_rows,
     partials,
     reduce_configs,
     reduce_slots,
@@ -97,12 +99,14 @@ def _up_kernel(
     GATED: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     # AFTER: the kernel before is the op's zero-fill, so the ids and x are older than it: they
     # load before the wait, and the down kernel may start now. Otherwise (a workspace, no fill)
-    # they may be that kernel's own outputs (the selector's ids): wait first
-    TILES: tl.constexpr, PDL: tl.constexpr, AFTER: tl.constexpr,
+    # they may be that kernel's own outputs (the selector's ids): wait first, unless EARLY:
+    # the ids are older than the kernel before (a lookahead block's, ``triton_common.early_up``)
+    # and load before the wait with the first slice's weights; x, that kernel's output, after
+    TILES: tl.constexpr, PDL: tl.constexpr, AFTER: tl.constexpr, EARLY: tl.constexpr,
 ):
     if AFTER:
         start_dependents(PDL)  # the down kernel loads its first weights while these run
-    else:
+    elif not EARLY:
         wait_inputs(PDL)
     row, pid_n, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,7 +116,18 @@ def _up_kernel(
     # TILES slices of d in a loop, products kept in 2-d accumulators, reduced once
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for t in range(TILES):
+    if EARLY:
+        offs_d = pid_d * TILES * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        w = load_rows(w1_ptr, neurons, valid, stride_w1, offs_d, mask_d)
+        if GATED:
+            w_up = load_rows(wup_ptr, neurons, valid, stride_wup, offs_d, mask_d)
+        wait_inputs(PDL)
+        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            acc_up += w_up.to(tl.float32) * x[None, :]
+    for t in range(1 if EARLY else 0, TILES):
         offs_d = (pid_d * TILES + t) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -366,9 +381,11 @@ def _targets(det: bool, n_pre: int, n_rows: int, k: int, d: int, d_out: int, dev
 
 
 def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, det: bool,
-               after: bool = True):
+               after: bool = True, early: bool = False):
     """``after``: the kernel launched last is the op's own (its zero-fill or gather), so the
-    up kernel may load the ids and x before it waits (``_up_kernel``'s ``AFTER``)."""
+    up kernel may load the ids and x before it waits (``_up_kernel``'s ``AFTER``). ``early``
+    (otherwise): the ids are older than that kernel, so they and the first weights may load
+    before the wait (``EARLY``)."""
     d, k, n_rows = rows.shape[1], sel.shape[1], rows.shape[0]
     if shared(sel, n_rows):
         launch(_up_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -387,7 +404,7 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
                d, k,
                rows.stride(0), idx_stride(sel), w.stride(0), w_up.stride(0), parts.stride(2),
                parts.stride(0) if det else 0,
-               GATED=gated, ATOMIC=not det, AFTER=after,
+               GATED=gated, ATOMIC=not det, AFTER=after, EARLY=early and not after,
                fixed=TILE_LOOP_FIXED if det else None)
 
 
@@ -424,13 +441,15 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
 
 
 def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
-               workspace: torch.Tensor | None = None) -> torch.Tensor:
+               workspace: torch.Tensor | None = None, ahead: bool = False) -> torch.Tensor:
     """Triton launcher with the signature of ``torch.ops.dejavu.sparse_mlp``.
 
     x: [..., d] (fp16/bf16/fp32); idx: [..., k] int64; w1, w_up: [N, d]; w2_t: [N, d_out];
     workspace: None or fp32 zeros (``ops.workspace_numel``), given back zero: with per-row
-    ids and atomics the op then launches no zero-fill (two launches, not three); returns
-    [..., d_out] in x's dtype.
+    ids and atomics the op then launches no zero-fill (two launches, not three); ahead: the
+    ids come from a predictor run a layer ahead (``kernels.lookahead.waiting``), so with
+    ``DEJAVU_EARLY_UP=1`` the up kernel loads them before its wait (``triton_common.early_up``);
+    returns [..., d_out] in x's dtype.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
     d, d_out = x.shape[-1], w2_t.shape[1]
@@ -457,7 +476,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
                                          x.dtype, union=union_ids, workspace=workspace)
     # on a workspace no fill runs: the kernel before the up kernel is another op's
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
-               after=clean is None)
+               after=clean is None, early=ahead and early_up())
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)

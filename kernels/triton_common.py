@@ -186,6 +186,27 @@ def stores_rows() -> bool:
     return os.environ.get(STORE_ROWS_ENV) == "1"
 
 
+# On a workspace the sparse MLP's up kernel waits before it loads anything, since the kernel
+# before it may be the selector that wrote its ids. When the block's predictor ran ahead (the
+# lookahead pass: its ids were written a layer earlier, and on a side stream whose event the
+# op waited on before this launch), only its input is the kernel before's output. With
+# ``DEJAVU_EARLY_UP=1`` the up kernel of such an op loads its ids and its first slice of
+# weight rows before the wait, as the down kernel does with its first tile, and its input
+# after it. Off unless set: not yet measured on a GPU.
+EARLY_UP_ENV = "DEJAVU_EARLY_UP"
+
+
+def early_up() -> bool:
+    """Whether the up kernel of a lookahead block loads its ids and first weights before its
+    wait (``EARLY_UP_ENV``: 1 on, 0 or unset off; any other value is an error)."""
+    asked = os.environ.get(EARLY_UP_ENV, "0")
+    if asked not in ("0", "1"):
+        raise ValueError(f"{EARLY_UP_ENV}={asked!r}: set it to 1 (the up kernel of a lookahead "
+                         f"block loads its ids and first weights before its wait) or 0 (off, "
+                         f"the default)")
+    return asked == "1"
+
+
 def launch(kernel, grid, *args, fixed: dict | None = None, **meta) -> None:
     """Launch the autotuned ``kernel`` over ``grid`` (a function of the meta-parameters), or,
     with ``fixed``, the kernel under it with that config (no autotuning); ``PDL`` as
@@ -208,12 +229,19 @@ def add_partial(ptrs, vals, mask, ATOMIC: tl.constexpr):
 
 
 @triton.jit
+def load_rows(w_ptr, rows, valid, stride_w, offs_d, mask_d):
+    """The rows ``rows`` of ``W`` (those ``valid``; zeros elsewhere) at columns ``offs_d``
+    (those ``mask_d``): [R, BLOCK_D] in W's dtype."""
+    return tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
+                   mask=valid[:, None] & mask_d[None, :], other=0.0)
+
+
+@triton.jit
 def add_rows(acc, w_ptr, rows, valid, stride_w, offs_d, mask_d, x):
     """One loop step of the GEMVs that read whole weight rows: ``acc`` [R, BLOCK_D] plus the
     rows ``rows`` of ``W`` (those ``valid``) at columns ``offs_d`` (those ``mask_d``) times
     ``x`` (fp32 [BLOCK_D]). The 2-d accumulator is reduced once, after the loop."""
-    w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
-                mask=valid[:, None] & mask_d[None, :], other=0.0)
+    w = load_rows(w_ptr, rows, valid, stride_w, offs_d, mask_d)
     return acc + w.to(tl.float32) * x[None, :]
 
 

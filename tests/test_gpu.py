@@ -566,3 +566,52 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
         assert counters.get("lookahead[mlp]", 0) > 0
     torch.testing.assert_close(runs[True], runs[False],
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_early_up_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
+    """``DEJAVU_EARLY_UP=1`` (bench modes ``*_early_pdl``): the up kernel of each MLP whose
+    predictor ran a layer ahead loads its ids and first weights before its wait. In the
+    captured lookahead steps of the bench (a small OPT with lazy K/V and the query fused in, a
+    small Llama), every kernel launched programmatically, the up kernels run that way only
+    with the switch, and the replayed step gives the logits of the step without it, to the
+    tolerance of fp16 sums added in another order. The predictors rank by their biases
+    (``_ranked_by_bias``), so no near-tied unit can flip between the two."""
+    from dejavu_compile.kernels import sparse_mlp
+
+    from dejavu_compile.bench import kernel_switches, random_profile
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    model = _small_opt(6) if arch == "opt" else bench.small_llama(6)
+    path = tmp_path / "ahead.yaml"
+    profile = random_profile(model, 0.25 if arch == "opt" else 0.5, 0.5 if arch == "opt" else 1.0,
+                             64, path, lookahead=True)
+    _ranked_by_bias(path)
+    options = {"profile": profile, "cudagraphs": False}
+    if arch == "opt":
+        options.update(lazy_kv=True, fuse_qkv=True)
+    real, early = sparse_mlp.launch, []
+
+    def spy(kernel, grid, *args, **meta):
+        if kernel is sparse_mlp._up_kernel:
+            early.append(meta["EARLY"])
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(sparse_mlp, "launch", spy)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(8))
+    runs = {}
+    for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_qkv_early_pdl"):
+        torch._dynamo.reset()
+        early.clear()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+        with kernel_switches(mode):
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
+                                                24)
+        assert set(early) == {mode.endswith("_early_pdl")}, (mode, early)
+    assert dejavu_compile.report(model).counters.get("lookahead[mlp]", 0) > 0
+    want = runs["dejavu_captured_qkv_pdl"]
+    torch.testing.assert_close(runs["dejavu_captured_qkv_early_pdl"], want,
+                               atol=2e-2 * want.abs().max().item(), rtol=2e-2)

@@ -686,6 +686,91 @@ def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
         assert not workspace.any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_up_kernel_of_a_lookahead_block_may_load_its_ids_before_its_wait(dtype, gated, tiles,
+                                                                          monkeypatch):
+    """With ``DEJAVU_EARLY_UP=1`` the up kernel of a sparse MLP whose ids a predictor wrote a
+    layer ahead (``ahead``), on a workspace, runs with ``EARLY``: the ids and the first slice
+    of weights load before the wait, x after, then the other slices in the loop (``tiles``
+    slices a program). The output is the reference's either way, and the workspace comes back
+    zero. Without the switch, without ``ahead``, or after the op's own fill, ``EARLY`` is off."""
+    from dejavu_compile.kernels import ops, triton_common
+
+    real, early = sparse_mlp.launch, []
+
+    def spy(kernel, grid, *args, fixed=None, **meta):
+        if kernel is not sparse_mlp._up_kernel:
+            return real(kernel, grid, *args, fixed=fixed, **meta)
+        early.append(meta["EARLY"])
+        config = {**triton_common.TILE_LOOP_FIXED, "TILES": tiles}
+        return real(kernel, grid, *args, fixed=config, **meta)
+
+    monkeypatch.setattr(sparse_mlp, "launch", spy)
+    d, n, d_out, k = 70, 45, 29, 13  # 70 columns: 5 slices of 16 in the interpreter's tile
+    x = _rand(1, 1, d, dtype=dtype, seed=0)
+    w1, w_up = _rand(n, d, dtype=dtype, seed=1), _rand(n, d, dtype=dtype, seed=2)
+    w2_t, b2 = _rand(n, d_out, dtype=dtype, seed=3), _rand(d_out, dtype=dtype, seed=4)
+    b1 = None if gated else _rand(n, dtype=dtype, seed=5)
+    idx = _selection(1, n, k).view(1, 1, k)
+    gate, act = (w_up, "silu") if gated else (None, "relu")
+    want = _ref64(ref.sparse_mlp, x, idx, w1, b1, gate, w2_t, b2, act)
+    space = torch.zeros(ops.workspace_numel(1, d_out, k, gated), device=DEVICE)
+    for switch, ahead, workspace, on in (("1", True, space, True), ("1", False, space, False),
+                                         ("0", True, space, False), ("1", True, None, False)):
+        monkeypatch.setenv(triton_common.EARLY_UP_ENV, switch)
+        early.clear()
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, gate, w2_t, b2, act, workspace=workspace,
+                                    ahead=ahead)
+        assert early == [on], (switch, ahead, workspace is None)
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        assert not space.any()
+    monkeypatch.setenv(triton_common.EARLY_UP_ENV, "yes")
+    with pytest.raises(ValueError, match="DEJAVU_EARLY_UP='yes'"):
+        triton_common.early_up()
+
+
+def test_up_kernel_variants_compile_for_hopper(tmp_path):
+    """The interpreter runs the kernels' Python, not Triton's compiler: compile the up kernel
+    here for an sm_90 GPU (Triton's own ptxas, no GPU needed) with programmatic launch in each
+    of its orders (waiting first; after the op's fill; with its ids and first weights before
+    the wait), plain and gated, in one slice and in a loop of three, and check that the
+    early order waits once and loads weights before the wait."""
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dejavu_compile.kernels import sparse_mlp
+fn = sparse_mlp._up_kernel.fn
+ptrs = {"x_ptr": "*fp16", "idx_ptr": "*i64", "w1_ptr": "*fp16", "wup_ptr": "*fp16",
+        "pre_ptr": "*fp32", "up_out_ptr": "*fp32"}
+for after, early in ((False, False), (True, False), (False, True)):
+    for gated in (False, True):
+        for tiles in (1, 3):
+            const = dict(GATED=gated, ATOMIC=True, BLOCK_N=16, BLOCK_D=256, TILES=tiles,
+                         PDL=True, AFTER=after, EARLY=early)
+            sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+            ptx = triton.compile(ASTSource(fn, sig, constexprs=const),
+                                 target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+            waits = ptx.count("griddepcontrol.wait")
+            before = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+            print(after, early, gated, tiles, waits, before > 0)
+"""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert len(rows) == 12 and all(r[4] == "1" for r in rows), out.stdout
+    # the early order loads (ids, weights) before its wait; waiting first loads nothing before
+    assert all(r[5] == "True" for r in rows if r[1] == "True"), out.stdout
+    assert all(r[5] == "False" for r in rows if r[:2] == ["False", "False"]), out.stdout
+
+
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
     """Under programmatic launch the up kernel may load its ids and x before it waits only when
     the kernel before it is the op's own (the zero-fill, or the gated op's gather): on a

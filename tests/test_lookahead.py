@@ -249,3 +249,29 @@ def test_fold_needs_fused_linears():
     with pytest.raises(ValueError, match="fold_predictors' needs fuse_linears"):
         dejavu_compile.DejavuOptions(selector="oracle", mlp_density=0.5, fold_predictors=True,
                                      fuse_linears=False)
+
+
+def test_waiting_tells_the_mlp_its_ids_came_from_a_predictor_ahead(monkeypatch):
+    """The CUDA wrapper of a block's first sparse op joins the predictor's event ``slot`` and
+    passes the ``workspace`` on; with ``tells_ahead`` it also says ``ahead=True`` when a slot
+    is set (the ids were written a layer earlier), and nothing of it otherwise."""
+    from dejavu_compile.kernels import lookahead
+
+    joined, calls = [], []
+    monkeypatch.setattr(lookahead, "join", lambda device, slot: joined.append(slot))
+
+    def impl(*args, **kwargs):
+        calls.append(kwargs)
+
+    x, space = torch.zeros(2), torch.zeros(3)
+    run, plain = lookahead.waiting(impl, 2, tells_ahead=True), lookahead.waiting(impl, 2)
+    run(x, x)
+    run(x, x, None, -1, space)
+    run(x, x, None, 4)
+    run(x, x, x, 5, space)
+    run(x, x, slot=6, workspace=space)
+    plain(x, x, None, 7, space)
+    assert joined == [-1, -1, 4, 5, 6, 7]
+    assert calls == [{}, {"workspace": space}, {"ahead": True},
+                     {"workspace": space, "ahead": True}, {"workspace": space, "ahead": True},
+                     {"workspace": space}]
