@@ -814,8 +814,9 @@ _DEJAVU_MODES = {
                                                                   "fuse_qkv": True,
                                                                   "inductor_pdl": False}),
     # dejavu_captured_qkv_pdl and dejavu_captured_ahead_ipdl_pdl (OPT-13B's and Llama-3-8B's
-    # default steps) with the up kernel of each lookahead MLP loading its ids and first
-    # weights before its wait (triton_common.EARLY_UP_ENV set to 1; kernel_switches)
+    # default steps) with the up kernel of each lookahead MLP and each attention's output
+    # projection loading their ids and first weights before their wait
+    # (triton_common.EARLY_IDS_ENV set to 1; kernel_switches)
     "dejavu_captured_qkv_early_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
                                                                  "lazy_kv": True,
                                                                  "fuse_qkv": True}),
@@ -838,19 +839,20 @@ def kernel_switches(mode: str):
     ``*_pdl`` and 0 for every other mode, so that each pair compares it,
     ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
     ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
-    ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_EARLY_UP`` (a lookahead MLP's up kernel
-    loads its ids and first weights before its wait) 1 for the modes named ``*_early_pdl``,
+    ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
+    attention's output projection load their ids and first weights before their wait) 1 for
+    the modes named ``*_early_pdl``,
     each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
-    from dejavu_compile.kernels.triton_common import EARLY_UP_ENV, PDL_ENV, STORE_ROWS_ENV
+    from dejavu_compile.kernels.triton_common import EARLY_IDS_ENV, PDL_ENV, STORE_ROWS_ENV
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
         os.environ.pop(STORE_ROWS_ENV, None)
         os.environ.pop(GRID_ENV, None)
-        os.environ.pop(EARLY_UP_ENV, None)
+        os.environ.pop(EARLY_IDS_ENV, None)
         if mode.endswith("_early_pdl"):
-            os.environ[EARLY_UP_ENV] = "1"
+            os.environ[EARLY_IDS_ENV] = "1"
         if mode == "dejavu_store":
             os.environ[STORE_ROWS_ENV] = "1"
         if mode == "dejavu_captured_qkv_sel_pdl":

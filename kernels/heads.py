@@ -109,13 +109,25 @@ def _head_out_kernel(
     stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_part,
     ATOMIC: tl.constexpr, FUSED: tl.constexpr, HAS_B: tl.constexpr, CLEAN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+    # EARLY: the ids are older than the kernel before (``triton_common.early_ids``): they and
+    # the first tile's weights load before the wait; the activations, its output, after
+    EARLY: tl.constexpr,
 ):
     row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
-    wait_inputs(PDL)  # the target is the zero-fill's, the kernel before
+    if not EARLY:
+        wait_inputs(PDL)  # the target is the zero-fill's or the workspace's, the ids older
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # as sparse_mlp._down_kernel's
-    for t in range(TILES):
+    if EARLY:
+        offs = pid * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
+        wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, offs < J)
+        w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
+                    mask=mask[:, None] & mask_o[None, :], other=0.0)
+        wait_inputs(PDL)
+        vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * vals[:, None]
+    for t in range(1 if EARLY else 0, TILES):
         offs = (pid * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < J
         wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
@@ -289,12 +301,14 @@ def reads_columns(wo_t: torch.Tensor, head_dim: int) -> bool:
 
 
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
-                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+                    workspace: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d].
     On the original layout (``reads_columns``), one launch that stores finished outputs (no
     workspace used). Otherwise, with per-row ids and atomics, a ``workspace`` (fp32 zeros,
     ``ops.workspace_numel``) holds the sums and counters, and is given back zero: no zero-fill
-    launch."""
+    launch. ``early``: the ids are older than the kernel before (the op's), so with
+    ``DEJAVU_EARLY_IDS=1`` the per-row kernel loads them and its first weights before its
+    wait (``triton_common.early_ids``)."""
     tc.check_dtype("sparse_head_out", attn, wo_t, b)
     rows = _rows(attn)
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
@@ -345,7 +359,7 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1),
                   parts.stride(1), parts.stride(0) if det else 0,
                   ATOMIC=not det, FUSED=fin is not None, HAS_B=b is not None, CLEAN=clean,
-                  fixed=fixed if det else None)
+                  EARLY=early and tc.early_ids(), fixed=fixed if det else None)
     if fin is None:
         fin = tc.finish(tc.total(parts, det), b, attn.dtype)
     return fin.reshape(*attn.shape[:-1], d_out)

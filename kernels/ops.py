@@ -207,15 +207,19 @@ def sparse_head_out(
     head_dim: int,
     union: bool = False,
     workspace: torch.Tensor | None = None,
+    early: bool = False,
 ) -> torch.Tensor:
     """Output projection over the selected heads only (``wo_t`` stored [H * head_dim, d]; with
     ``union``, the heads any row selected). ``workspace``: as ``sparse_mlp``'s
-    (``workspace_numel`` with ``k`` 0)."""
+    (``workspace_numel`` with ``k`` 0). ``early``: the ids were written before the kernel
+    right before this op's (an attention's heads, which its query projection read first; set
+    by the sparsify pass), so the CUDA kernel may load them before it waits for that kernel
+    (``DEJAVU_EARLY_IDS``); the result is the same either way."""
     return ref.sparse_head_out(attn, idx, wo_t, b, head_dim, union)
 
 
 @sparse_head_out.register_fake
-def _(attn, idx, wo_t, b, head_dim, union=False, workspace=None):
+def _(attn, idx, wo_t, b, head_dim, union=False, workspace=None, early=False):
     return attn.new_empty(*attn.shape[:-1], wo_t.shape[1])
 
 

@@ -56,7 +56,7 @@ from .triton_common import (
     deterministic,
     dot_rows,
     dot_split,
-    early_up,
+    early_ids,
     finish,
     finish_last,
     fused_targets,
@@ -100,7 +100,7 @@ def _up_kernel(
     # AFTER: the kernel before is the op's zero-fill, so the ids and x are older than it: they
     # load before the wait, and the down kernel may start now. Otherwise (a workspace, no fill)
     # they may be that kernel's own outputs (the selector's ids): wait first, unless EARLY:
-    # the ids are older than the kernel before (a lookahead block's, ``triton_common.early_up``)
+    # the ids are older than the kernel before (a lookahead block's, ``triton_common.early_ids``)
     # and load before the wait with the first slice's weights; x, that kernel's output, after
     TILES: tl.constexpr, PDL: tl.constexpr, AFTER: tl.constexpr, EARLY: tl.constexpr,
 ):
@@ -448,7 +448,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     workspace: None or fp32 zeros (``ops.workspace_numel``), given back zero: with per-row
     ids and atomics the op then launches no zero-fill (two launches, not three); ahead: the
     ids come from a predictor run a layer ahead (``kernels.lookahead.waiting``), so with
-    ``DEJAVU_EARLY_UP=1`` the up kernel loads them before its wait (``triton_common.early_up``);
+    ``DEJAVU_EARLY_IDS=1`` the up kernel loads them before its wait (``triton_common.early_ids``);
     returns [..., d_out] in x's dtype.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
@@ -476,7 +476,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
                                          x.dtype, union=union_ids, workspace=workspace)
     # on a workspace no fill runs: the kernel before the up kernel is another op's
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
-               after=clean is None, early=ahead and early_up())
+               after=clean is None, early=ahead and early_ids())
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)

@@ -186,24 +186,29 @@ def stores_rows() -> bool:
     return os.environ.get(STORE_ROWS_ENV) == "1"
 
 
-# On a workspace the sparse MLP's up kernel waits before it loads anything, since the kernel
-# before it may be the selector that wrote its ids. When the block's predictor ran ahead (the
-# lookahead pass: its ids were written a layer earlier, and on a side stream whose event the
-# op waited on before this launch), only its input is the kernel before's output. With
-# ``DEJAVU_EARLY_UP=1`` the up kernel of such an op loads its ids and its first slice of
-# weight rows before the wait, as the down kernel does with its first tile, and its input
-# after it. Off unless set: not yet measured on a GPU.
-EARLY_UP_ENV = "DEJAVU_EARLY_UP"
+# A sparse op's first kernel waits for the kernel before it before it loads anything when
+# that kernel may have written its ids: on a workspace the sparse MLP's up kernel may follow
+# the selector. Two cases are known from the graph to have older ids:
+# - the up kernel of an MLP whose predictor ran ahead (the lookahead pass: its ids were
+#   written a layer earlier, on a side stream whose event the op waited on before this
+#   launch; ``kernels.lookahead.waiting`` tells the launcher);
+# - the output projection of an attention whose heads a predictor or fixed ids chose (the
+#   query projection and the attention read the same ids first; the sparsify pass marks it).
+# With ``DEJAVU_EARLY_IDS=1`` such a kernel loads its ids and its first slice of weight rows
+# before the wait, as the down kernel does with its first tile, and its input, the kernel
+# before's output, after it. Off unless set: not yet measured on a GPU.
+EARLY_IDS_ENV = "DEJAVU_EARLY_IDS"
 
 
-def early_up() -> bool:
-    """Whether the up kernel of a lookahead block loads its ids and first weights before its
-    wait (``EARLY_UP_ENV``: 1 on, 0 or unset off; any other value is an error)."""
-    asked = os.environ.get(EARLY_UP_ENV, "0")
+def early_ids() -> bool:
+    """Whether kernels whose ids are older than the kernel before them load their ids and
+    first weights before their wait (``EARLY_IDS_ENV``: 1 on, 0 or unset off; any other value
+    is an error)."""
+    asked = os.environ.get(EARLY_IDS_ENV, "0")
     if asked not in ("0", "1"):
-        raise ValueError(f"{EARLY_UP_ENV}={asked!r}: set it to 1 (the up kernel of a lookahead "
-                         f"block loads its ids and first weights before its wait) or 0 (off, "
-                         f"the default)")
+        raise ValueError(f"{EARLY_IDS_ENV}={asked!r}: set it to 1 (kernels whose ids are older "
+                         f"than the kernel before them load them and their first weights "
+                         f"before their wait) or 0 (off, the default)")
     return asked == "1"
 
 

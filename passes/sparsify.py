@@ -352,6 +352,10 @@ def _rewrite_attention(gm, ctx, block, plan: BlockPlan, fake_mode) -> None:
                         plan.k, plan.group)
         o_new = _call(graph, fake_mode, OPS.sparse_head_out.default, o.input, idx, wo_t,
                       o.bias_node, hd, _union(ctx, o.input))
+        if plan.selector != "oracle":
+            # the query projection read these ids first: the kernel before this op's never
+            # writes them (the oracle's are computed right here, from the attention's output)
+            o_new.kwargs = {"early": True}
     _tag(block.layer, plan, idx, o_new)
     o.node.replace_all_uses_with(o_new)
     graph.erase_node(o.node)

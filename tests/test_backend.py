@@ -680,6 +680,32 @@ def test_multi_kernel_option_reaches_inductor():
         DejavuOptions.from_mapping({**base, "multi_kernel": 1})
 
 
+@pytest.mark.parametrize("selector", ["fixed", "oracle"])
+def test_attention_output_projection_is_marked_early_unless_its_ids_are_fresh(tiny, selector):
+    """The sparsify pass marks an attention's output projection ``early`` (its ids are older
+    than the kernel before it, so ``DEJAVU_EARLY_IDS`` may load them before the wait) when the
+    query projection read the same ids first, as with fixed ids or a predictor, and not with
+    the oracle, whose ids are computed right before it from the attention's output; the TEAL
+    projections, whose ids are computed right before them too, are never marked."""
+    model = tiny("llama")
+    backend, graphs = _capture({"selector": selector, "mlp_density": 0.5,
+                                "attention_density": 0.5})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
+    gm = graphs[-1][0]
+    outs = [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is torch.ops.dejavu.sparse_head_out.default]
+    assert len(outs) == model.config.num_hidden_layers
+    assert all(n.kwargs.get("early", False) is (selector == "fixed") for n in outs), [
+        n.kwargs for n in outs]
+    backend, graphs = _capture({"selector": "threshold", "mlp_density": 0.5})
+    with torch.no_grad():
+        _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
+    teal = [n for n in graphs[-1][0].graph.nodes if n.op == "call_function"
+            and n.target is torch.ops.dejavu.sparse_head_out.default]
+    assert teal and not any(n.kwargs.get("early", False) for n in teal)
+
+
 def test_inductor_pdl_option_reaches_inductor(monkeypatch):
     """``inductor_pdl`` sets Inductor's ``triton.enable_pdl`` for the rewritten graph; off, the
     key is not set; by default it follows the dejavu kernels' programmatic launch (off on this

@@ -488,18 +488,18 @@ def test_only_the_sel_mode_sets_the_lazy_grid(monkeypatch):
 
 
 def test_only_the_early_modes_load_the_up_kernels_ids_before_the_wait(monkeypatch):
-    """The modes named ``*_early_pdl`` run with ``DEJAVU_EARLY_UP=1``, every other mode
+    """The modes named ``*_early_pdl`` run with ``DEJAVU_EARLY_IDS=1``, every other mode
     without it, whatever the environment said; the environment is restored."""
-    from dejavu_compile.kernels.triton_common import EARLY_UP_ENV, early_up
+    from dejavu_compile.kernels.triton_common import EARLY_IDS_ENV, early_ids
 
-    monkeypatch.setenv(EARLY_UP_ENV, "1")  # set outside: the mode says its own
+    monkeypatch.setenv(EARLY_IDS_ENV, "1")  # set outside: the mode says its own
     for mode, want in (("dejavu_captured_qkv_pdl", False), ("dejavu_captured_ahead", False),
                        ("dejavu_captured_qkv_early_pdl", True),
                        ("dejavu_captured_ahead_early_pdl", True)):
         assert mode in bench.SPARSE_MODES
         with bench.kernel_switches(mode):
-            assert early_up() is want, mode
-    assert os.environ[EARLY_UP_ENV] == "1"
+            assert early_ids() is want, mode
+    assert os.environ[EARLY_IDS_ENV] == "1"
 
 
 def test_readme_describes_every_bench_mode():

@@ -569,14 +569,15 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["opt", "llama"])
-def test_early_up_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
-    """``DEJAVU_EARLY_UP=1`` (bench modes ``*_early_pdl``): the up kernel of each MLP whose
-    predictor ran a layer ahead loads its ids and first weights before its wait. In the
-    captured lookahead steps of the bench (a small OPT with lazy K/V and the query fused in, a
-    small Llama), every kernel launched programmatically, the up kernels run that way only
-    with the switch, and the replayed step gives the logits of the step without it, to the
-    tolerance of fp16 sums added in another order. The predictors rank by their biases
-    (``_ranked_by_bias``), so no near-tied unit can flip between the two."""
+def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
+    """``DEJAVU_EARLY_IDS=1`` (bench modes ``*_early_pdl``): the up kernel of each MLP whose
+    predictor ran a layer ahead, and the output projection of each sparse attention, load
+    their ids and first weights before their wait. In the captured lookahead steps of the
+    bench (a small OPT with lazy K/V and the query fused in, its attention sparse; a small
+    Llama, its attention dense), every kernel launched programmatically, the up kernels run
+    that way only with the switch, and the replayed step gives the logits of the step without
+    it, to the tolerance of fp16 sums added in another order. The predictors rank by their
+    biases (``_ranked_by_bias``), so no near-tied unit can flip between the two."""
     from dejavu_compile.kernels import sparse_mlp
 
     from dejavu_compile.bench import kernel_switches, random_profile

@@ -691,7 +691,7 @@ def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
 @pytest.mark.parametrize("tiles", [1, 3])
 def test_up_kernel_of_a_lookahead_block_may_load_its_ids_before_its_wait(dtype, gated, tiles,
                                                                           monkeypatch):
-    """With ``DEJAVU_EARLY_UP=1`` the up kernel of a sparse MLP whose ids a predictor wrote a
+    """With ``DEJAVU_EARLY_IDS=1`` the up kernel of a sparse MLP whose ids a predictor wrote a
     layer ahead (``ahead``), on a workspace, runs with ``EARLY``: the ids and the first slice
     of weights load before the wait, x after, then the other slices in the loop (``tiles``
     slices a program). The output is the reference's either way, and the workspace comes back
@@ -719,24 +719,64 @@ def test_up_kernel_of_a_lookahead_block_may_load_its_ids_before_its_wait(dtype, 
     space = torch.zeros(ops.workspace_numel(1, d_out, k, gated), device=DEVICE)
     for switch, ahead, workspace, on in (("1", True, space, True), ("1", False, space, False),
                                          ("0", True, space, False), ("1", True, None, False)):
-        monkeypatch.setenv(triton_common.EARLY_UP_ENV, switch)
+        monkeypatch.setenv(triton_common.EARLY_IDS_ENV, switch)
         early.clear()
         got = sparse_mlp.sparse_mlp(x, idx, w1, b1, gate, w2_t, b2, act, workspace=workspace,
                                     ahead=ahead)
         assert early == [on], (switch, ahead, workspace is None)
         torch.testing.assert_close(got.double(), want, **TOL[dtype])
         assert not space.any()
-    monkeypatch.setenv(triton_common.EARLY_UP_ENV, "yes")
-    with pytest.raises(ValueError, match="DEJAVU_EARLY_UP='yes'"):
-        triton_common.early_up()
+    monkeypatch.setenv(triton_common.EARLY_IDS_ENV, "yes")
+    with pytest.raises(ValueError, match="DEJAVU_EARLY_IDS='yes'"):
+        triton_common.early_ids()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_output_projection_with_older_ids_may_load_them_before_its_wait(dtype, tiles,
+                                                                        monkeypatch):
+    """With ``DEJAVU_EARLY_IDS=1`` an output projection marked ``early`` runs its per-row
+    kernel with ``EARLY``: the head ids and the first tile's weights load before the wait, the
+    attention's output after, then the other tiles in the loop (``tiles`` a program). The
+    output is the reference's either way, on a workspace (given back zero) and with a fill.
+    Without the switch or the mark, ``EARLY`` is off."""
+    from dejavu_compile.kernels import ops, triton_common
+
+    real, early = heads.tc.launch, []
+
+    def spy(kernel, grid, *args, fixed=None, **meta):
+        if kernel is not heads._head_out_kernel:
+            return real(kernel, grid, *args, fixed=fixed, **meta)
+        early.append(meta["EARLY"])
+        return real(kernel, grid, *args, fixed={**triton_common.REDUCE_FIXED, "TILES": tiles},
+                    **meta)
+
+    monkeypatch.setattr(heads.tc, "launch", spy)
+    n_heads, head_dim, d_out, k = 11, 5, 29, 6  # 30 selected rows: 4 tiles of 8
+    attn = _rand(1, 1, n_heads * head_dim, dtype=dtype, seed=0)
+    wo_t, b = _rand(n_heads * head_dim, d_out, dtype=dtype, seed=1), _rand(d_out, dtype=dtype,
+                                                                           seed=2)
+    idx = _selection(1, n_heads, k).view(1, 1, k)
+    want = _ref64(ref.sparse_head_out, attn, idx, wo_t, b, head_dim)
+    space = torch.zeros(ops.workspace_numel(1, d_out, 0), device=DEVICE)
+    for switch, mark, workspace, on in (("1", True, space, True), ("1", True, None, True),
+                                        ("1", False, space, False), ("0", True, space, False)):
+        monkeypatch.setenv(triton_common.EARLY_IDS_ENV, switch)
+        early.clear()
+        got = heads.sparse_head_out(attn, idx, wo_t, b, head_dim, workspace=workspace,
+                                    early=mark)
+        assert early == [on], (switch, mark, workspace is None)
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        assert not space.any()
 
 
 def test_up_kernel_variants_compile_for_hopper(tmp_path):
     """The interpreter runs the kernels' Python, not Triton's compiler: compile the up kernel
     here for an sm_90 GPU (Triton's own ptxas, no GPU needed) with programmatic launch in each
     of its orders (waiting first; after the op's fill; with its ids and first weights before
-    the wait), plain and gated, in one slice and in a loop of three, and check that the
-    early order waits once and loads weights before the wait."""
+    the wait), plain and gated, in one slice and in a loop of three, and the output
+    projection's kernel in its two orders; check that each waits once, and that the early
+    orders load before the wait and the waiting-first ones do not."""
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -756,6 +796,20 @@ for after, early in ((False, False), (True, False), (False, True)):
             waits = ptx.count("griddepcontrol.wait")
             before = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
             print(after, early, gated, tiles, waits, before > 0)
+from dejavu_compile.kernels import heads
+fn = heads._head_out_kernel.fn
+ptrs = {"a_ptr": "*fp16", "idx_ptr": "*i64", "w_ptr": "*fp16", "out_ptr": "*fp32",
+        "fin_ptr": "*fp16", "b_ptr": "*fp16", "cnt_ptr": "*i32"}
+for early in (False, True):
+    for tiles in (1, 3):
+        const = dict(ATOMIC=True, FUSED=True, HAS_B=True, CLEAN=True, BLOCK_N=32, BLOCK_D=128,
+                     TILES=tiles, PDL=True, EARLY=early, stride_wo=1)
+        sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, sig, constexprs=const),
+                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        waits = ptx.count("griddepcontrol.wait")
+        before = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+        print("out", early, tiles, waits, before > 0)
 """
     import subprocess
     import sys
@@ -765,10 +819,13 @@ for after, early in ((False, False), (True, False), (False, True)):
                          cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines()]
-    assert len(rows) == 12 and all(r[4] == "1" for r in rows), out.stdout
+    up, head_out = [r for r in rows if r[0] != "out"], [r[1:] for r in rows if r[0] == "out"]
+    assert len(up) == 12 and all(r[4] == "1" for r in up), out.stdout
     # the early order loads (ids, weights) before its wait; waiting first loads nothing before
-    assert all(r[5] == "True" for r in rows if r[1] == "True"), out.stdout
-    assert all(r[5] == "False" for r in rows if r[:2] == ["False", "False"]), out.stdout
+    assert all(r[5] == "True" for r in up if r[1] == "True"), out.stdout
+    assert all(r[5] == "False" for r in up if r[:2] == ["False", "False"]), out.stdout
+    assert head_out == [["False", "1", "1", "False"], ["False", "3", "1", "False"],
+                        ["True", "1", "1", "True"], ["True", "3", "1", "True"]], out.stdout
 
 
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
