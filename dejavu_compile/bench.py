@@ -712,6 +712,11 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
          "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl")
 SPARSE_MODES = MODES[4:]
+# the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
+# lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
+# the base of OPT-13B's modes below, which the bench reads and never changes
+_CAPTURED_LAZY = {"cudagraphs": False, "lazy_kv": True, "fuse_qkv": False}
+_CAPTURED_QKV = {**_CAPTURED_LAZY, "fuse_qkv": True}
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
 _DEJAVU_MODES = {
@@ -769,39 +774,28 @@ _DEJAVU_MODES = {
     # selected heads only, missing positions filled in later (option lazy_kv)
     # (the query in a launch of its own: fuse_qkv off, as before it existed)
     "dejavu_lazy": (True, True, BUCKET_UNITS, {"lazy_kv": True, "fuse_qkv": False}),
-    "dejavu_captured_lazy": (True, True, BUCKET_UNITS, {"cudagraphs": False, "lazy_kv": True,
-                                                        "fuse_qkv": False}),
+    "dejavu_captured_lazy": (True, True, BUCKET_UNITS, _CAPTURED_LAZY),
     # dejavu_captured_lazy with the kernels launched programmatically, as dejavu_pdl
-    "dejavu_captured_lazy_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                            "lazy_kv": True, "fuse_qkv": False}),
+    "dejavu_captured_lazy_pdl": (True, True, BUCKET_UNITS, _CAPTURED_LAZY),
     # dejavu_captured_lazy with the query projection in the lazy K/V launch (fuse_qkv), and
     # that with programmatic launch
-    "dejavu_captured_qkv": (True, True, BUCKET_UNITS, {"cudagraphs": False, "lazy_kv": True,
-                                                       "fuse_qkv": True}),
-    "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                           "lazy_kv": True, "fuse_qkv": True}),
+    "dejavu_captured_qkv": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
+    "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # dejavu_captured_qkv_pdl with the output projections left in their original layout and
     # read along its columns (option out_layout)
-    "dejavu_captured_qkv_orig_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                                "lazy_kv": True,
-                                                                "fuse_qkv": True,
+    "dejavu_captured_qkv_orig_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "out_layout": "original"}),
     # dejavu_captured_qkv_pdl with every lazy block's cache positions in two foreach ops
     # (option batch_positions)
-    "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                              "lazy_kv": True, "fuse_qkv": True,
+    "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                               "batch_positions": True}),
     # dejavu_captured_qkv_pdl with the lazy K/V kernel's programs over the selection's slots
     # instead of every head (lazy_kv.GRID_ENV set to "selection"; kernel_switches)
-    "dejavu_captured_qkv_sel_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                               "lazy_kv": True,
-                                                               "fuse_qkv": True}),
+    "dejavu_captured_qkv_sel_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # dejavu_captured_qkv_pdl with Inductor's own kernels launched programmatically too
     # (option inductor_pdl; since it became the default, with every *_pdl mode, the two are
     # the same step, and dejavu_captured_qkv_noipdl_pdl is the one without)
-    "dejavu_captured_qkv_ipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                                "lazy_kv": True,
-                                                                "fuse_qkv": True,
+    "dejavu_captured_qkv_ipdl_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "inductor_pdl": True}),
     # dejavu_captured_ahead (Llama-3-8B's step) with every kernel launched programmatically,
     # Inductor's own too
@@ -809,23 +803,17 @@ _DEJAVU_MODES = {
                                                                   "inductor_pdl": True}),
     # dejavu_captured_qkv_pdl with Inductor's kernels launched plainly (option inductor_pdl
     # off; on by default wherever the dejavu kernels launch programmatically)
-    "dejavu_captured_qkv_noipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                                  "lazy_kv": True,
-                                                                  "fuse_qkv": True,
+    "dejavu_captured_qkv_noipdl_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                   "inductor_pdl": False}),
     # dejavu_captured_qkv_pdl and dejavu_captured_ahead_ipdl_pdl (OPT-13B's and Llama-3-8B's
     # default steps) with the up kernel of each lookahead MLP and each attention's output
     # projection loading their ids and first weights before their wait
     # (triton_common.EARLY_IDS_ENV set to 1; kernel_switches)
-    "dejavu_captured_qkv_early_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                                 "lazy_kv": True,
-                                                                 "fuse_qkv": True}),
+    "dejavu_captured_qkv_early_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     "dejavu_captured_ahead_early_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
-    "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                               "lazy_kv": True,
-                                                               "fuse_qkv": False,
+    "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
                                                                "multi_kernel": True}),
 }
 # the captures per key of the modes that replay through CapturedStep with more than one

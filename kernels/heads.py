@@ -97,6 +97,25 @@ def _head_proj_store_kernel(
     tl.store(out_ptr + row * stride_out + wrows, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _out_tile(idx_ptr, w_ptr, row, tile, J, HEAD_DIM, offs_o, mask_o, stride_idx, stride_wn,
+              stride_wo, BLOCK_N: tl.constexpr):
+    """Tile ``tile`` of ``BLOCK_N`` selected rows of the output projection: their weight-row
+    ids and which are rows of a head (``_weight_rows``), and their weights at ``offs_o``."""
+    offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, offs < J)
+    w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
+                mask=mask[:, None] & mask_o[None, :], other=0.0)
+    return wrows, mask, w
+
+
+@triton.jit
+def _out_add(acc, a_row, wrows, mask, w):
+    """``acc`` plus a tile's weights (``_out_tile``) times its activations from ``a_row``."""
+    vals = tl.load(a_row + wrows, mask=mask, other=0.0).to(tl.float32)
+    return acc + w.to(tl.float32) * vals[:, None]
+
+
 # column stride in the key: see sparse_mlp._down_kernel
 @triton.autotune(configs=reduce_configs(), key=["DOUT", "J", "stride_wo"],
                  reset_to_zero=["out_ptr", "cnt_ptr"])
@@ -117,24 +136,17 @@ def _head_out_kernel(
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_o = offs_o < DOUT
     if not EARLY:
-        wait_inputs(PDL)  # the target is the zero-fill's or the workspace's, the ids older
+        wait_inputs(PDL)  # the activations (or the zero-fill's target) are the kernel before's
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # as sparse_mlp._down_kernel's
     if EARLY:
-        offs = pid * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
-        wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, offs < J)
-        w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
-                    mask=mask[:, None] & mask_o[None, :], other=0.0)
+        wrows, mask, w = _out_tile(idx_ptr, w_ptr, row, pid * TILES, J, HEAD_DIM, offs_o, mask_o,
+                                   stride_idx, stride_wn, stride_wo, BLOCK_N)
         wait_inputs(PDL)
-        vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * vals[:, None]
+        acc = _out_add(acc, a_ptr + row * stride_a, wrows, mask, w)
     for t in range(1 if EARLY else 0, TILES):
-        offs = (pid * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = offs < J
-        wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, mask)
-        vals = tl.load(a_ptr + row * stride_a + wrows, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + wrows[:, None] * stride_wn + offs_o[None, :] * stride_wo,
-                    mask=mask[:, None] & mask_o[None, :], other=0.0)
-        acc += w.to(tl.float32) * vals[:, None]
+        wrows, mask, w = _out_tile(idx_ptr, w_ptr, row, pid * TILES + t, J, HEAD_DIM, offs_o,
+                                   mask_o, stride_idx, stride_wn, stride_wo, BLOCK_N)
+        acc = _out_add(acc, a_ptr + row * stride_a, wrows, mask, w)
     add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
     if FUSED:
