@@ -63,16 +63,60 @@ def test_analyse_kv_finds_costs_and_crossings():
         bench.kv_sweep("llama-3-8b", None, attention="flash")
 
 
+def _traced(name, start, end, stream=7, device=DeviceType.CUDA):
+    return SimpleNamespace(name=name, device_type=device, device_resource_id=stream,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
 def test_kernel_breakdown_sums_per_step():
     def event(key, us, count, device=DeviceType.CUDA):
         return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, count=count)
 
     prof = SimpleNamespace(key_averages=lambda: [
-        event("small", 8.0, 8), event("big", 80.0, 16), event("host", 500.0, 8, DeviceType.CPU)])
+        event("small", 8.0, 8), event("big", 80.0, 16), event("host", 500.0, 8, DeviceType.CPU)],
+        events=lambda: [_traced("big", 0, 40), _traced("small", 40, 48),
+                        _traced("big", 100, 140)])
     rows = bench._kernel_breakdown(prof, steps=8)
     assert [r["kernel"] for r in rows] == ["big", "small", "(all kernels)"]
     assert rows[0]["us_per_step"] == 10.0 and rows[0]["calls_per_step"] == 2
+    assert rows[0]["path_us_per_step"] == 10.0 and rows[1]["path_us_per_step"] == 1.0
     assert rows[-1]["us_per_step"] == 11.0 and rows[-1]["calls_per_step"] == 3
+    assert rows[-1]["path_us_per_step"] == 11.0
+
+
+def test_stream_path_counts_a_kernel_from_the_end_of_the_one_before():
+    """A kernel launched programmatically starts inside the one before it and waits there: it
+    is counted from that kernel's end. A stream's rows add up to its busy time (its gaps left
+    out); another stream's kernels do not move this stream's frontier; a kernel that ends
+    inside the one before it adds nothing."""
+    events = [
+        _traced("norm", 0, 10), _traced("up", 4, 30),  # starts at 4, waits until 10: adds 20
+        _traced("down", 25, 45),  # adds 15, from 30
+        _traced("tiny", 31, 40),  # ends inside down: adds nothing
+        _traced("norm", 60, 64),  # after a gap of 15: its own 4
+        _traced("pred", 5, 50, stream=9),  # the side stream: its own span
+        _traced("host", 0, 100, device=DeviceType.CPU),
+    ]
+    path = bench._stream_path(SimpleNamespace(events=lambda: events))
+    assert path == {"norm": 14.0, "up": 20.0, "down": 15.0, "tiny": 0.0, "pred": 45.0}
+    # the main stream's busy time: 0-45 and 60-64
+    assert sum(v for k, v in path.items() if k != "pred") == 49.0
+    # and the same however the events are listed
+    assert bench._stream_path(SimpleNamespace(events=lambda: events[::-1])) == path
+
+
+def test_breakdown_table_shows_the_path_column():
+    row = {"model": "m", "mode": "dejavu_x", "ms_per_token": 1.0,
+           "breakdown": [{"kernel": "up", "us_per_step": 30.0, "path_us_per_step": 20.0,
+                          "calls_per_step": 1},
+                         {"kernel": "(all kernels)", "us_per_step": 30.0,
+                          "path_us_per_step": 20.0, "calls_per_step": 1}]}
+    text = "\n".join(bench._breakdown_markdown(row))
+    assert "| `up` | 30.0 | 20.0 | 1 |" in text
+    # an older JSON without the column still renders, its cell empty
+    for k in row["breakdown"]:
+        del k["path_us_per_step"]
+    assert "| `up` | 30.0 |  | 1 |" in "\n".join(bench._breakdown_markdown(row))
 
 
 def test_host_breakdown_sums_per_step():
@@ -173,13 +217,13 @@ def test_markdown_has_every_section():
     assert "GPU kernel time per decode step, m dejavu_topk" in text
     assert ("last kernel end 4.50 ms a step, of which 0.75 ms with no kernel running and "
             "0.12 ms with two or more at once; kernels on 2 streams") in text
-    assert "| `k/1` | 3.0 | 2 |" in text  # a '|' in a kernel name would break the table
+    assert "| `k/1` | 3.0 |  | 2 |" in text  # a '|' in a kernel name would break the table
     # the JSON keeps every kernel, the table the first BREAKDOWN_ROWS and the total
     many = [{"kernel": f"k{i}", "us_per_step": 100.0 - i, "calls_per_step": 1} for i in range(20)]
     shown = bench._breakdown_markdown({**result["e2e"][1], "breakdown": many + [
         {"kernel": "(all kernels)", "us_per_step": 1.0, "calls_per_step": 20}]})
     assert "| `k11` |" in "\n".join(shown) and "| `k12` |" not in "\n".join(shown)
-    assert "| `(all kernels)` | 1.0 | 20 |" in shown
+    assert "| `(all kernels)` | 1.0 |  | 20 |" in shown
     assert "Host time per decode step, m dejavu_topk" in text
     assert "| `cudaGraphLaunch` | 250.0 | 250.0 | 1 |" in text
     assert "| `(all events)` | 900.0 |  | 40 |" in text
