@@ -456,12 +456,11 @@ def _stream_path(prof) -> dict[str, float]:
     path: dict[str, float] = {}
     for events in by_stream.values():
         events.sort(key=lambda ev: (ev.time_range.start, ev.time_range.end))
-        frontier = None
+        frontier = float("-inf")  # the latest end on the stream so far
         for ev in events:
             start, end = ev.time_range.start, ev.time_range.end
-            added = end - (start if frontier is None else max(start, frontier))
-            path[ev.name] = path.get(ev.name, 0.0) + max(0.0, added)
-            frontier = end if frontier is None else max(frontier, end)
+            path[ev.name] = path.get(ev.name, 0.0) + max(0.0, end - max(start, frontier))
+            frontier = max(frontier, end)
     return path
 
 
