@@ -445,7 +445,7 @@ def _stream_path(prof) -> dict[str, float]:
     of the stream's events before it, to its end. Under programmatic dependent launch a kernel
     starts while the kernel before it on its stream still runs and waits inside for its
     outputs, so its own span counts that wait (the thirty-fourth session's OPT-13B profile:
-    the layer norms 260-286 us a step against 72-83 without); this counts only what comes after
+    the layer norms 259-286 us a step against 72-83 without); this counts only what comes after
     the kernel before has ended. A stream's events add up to its busy time."""
     from torch.autograd import DeviceType
 
