@@ -439,27 +439,28 @@ def _host_breakdown(prof, steps: int) -> list[dict]:
     return rows + [total]
 
 
-def _stream_path(prof) -> dict[str, float]:
+def _stream_path(prof) -> dict[str, dict]:
     """For each GPU event name of a finished profiler run, the time (us, summed over the run)
-    that its events added to their stream's busy time: from the later of its start and the end
-    of the stream's events before it, to its end. Under programmatic dependent launch a kernel
-    starts while the kernel before it on its stream still runs and waits inside for its
-    outputs, so its own span counts that wait (the thirty-fourth session's OPT-13B profile:
-    the layer norms 259-286 us a step against 72-83 without); this counts only what comes after
-    the kernel before has ended. A stream's events add up to its busy time."""
+    that its events added to their stream's busy time, by stream: from the later of its start
+    and the end of the stream's events before it, to its end. Under programmatic dependent
+    launch a kernel starts while the kernel before it on its stream still runs and waits inside
+    for its outputs, so its own span counts that wait (the thirty-fourth session's OPT-13B
+    profile: the layer norms 259-286 us a step against 72-83 without); this counts only what
+    comes after the kernel before has ended. A stream's events add up to its busy time."""
     from torch.autograd import DeviceType
 
     by_stream: dict = {}
     for ev in prof.events():
         if ev.device_type == DeviceType.CUDA:
             by_stream.setdefault(getattr(ev, "device_resource_id", None), []).append(ev)
-    path: dict[str, float] = {}
-    for events in by_stream.values():
+    path: dict[str, dict] = {}
+    for stream, events in by_stream.items():
         events.sort(key=lambda ev: (ev.time_range.start, ev.time_range.end))
         frontier = float("-inf")  # the latest end on the stream so far
         for ev in events:
             start, end = ev.time_range.start, ev.time_range.end
-            path[ev.name] = path.get(ev.name, 0.0) + max(0.0, end - max(start, frontier))
+            mine = path.setdefault(ev.name, {})
+            mine[stream] = mine.get(stream, 0.0) + max(0.0, end - max(start, frontier))
             frontier = max(frontier, end)
     return path
 
@@ -467,25 +468,37 @@ def _stream_path(prof) -> dict[str, float]:
 def _kernel_breakdown(prof, steps: int) -> list[dict]:
     """GPU time per decode step of each kernel name in a finished profiler run over ``steps``
     decode steps: ``us_per_step`` from each call's start, its wait under programmatic launch
-    included, and ``path_us_per_step``, what its calls added to their stream's busy time
-    (``_stream_path``). Ordered by the latter, largest first (every one: the markdown shows the
-    first ``BREAKDOWN_ROWS``); a last row totals every kernel."""
+    included; ``path_us_per_step``, what its calls added to their stream's busy time
+    (``_stream_path``); and ``streams``, the streams it ran on, numbered by their busy time (1
+    the busiest: in a decode step the one the layers run on, the selectors' side stream after
+    it). Ordered by ``path_us_per_step``, largest first (every one: the markdown shows the
+    first ``BREAKDOWN_ROWS``); a last row totals every kernel, with each stream's busy time per
+    step in that order (``stream_busy_us_per_step``)."""
     from torch.autograd import DeviceType
 
     path = _stream_path(prof)
+    busy: dict = {}
+    for by_stream in path.values():
+        for stream, us in by_stream.items():
+            busy[stream] = busy.get(stream, 0.0) + us
+    order = sorted(busy, key=lambda s: -busy[s])
+    rank = {s: i + 1 for i, s in enumerate(order)}
     rows = []
     for ev in prof.key_averages():
         if ev.device_type != DeviceType.CUDA:
             continue
         us = getattr(ev, "self_device_time_total", None)
         us = ev.self_cuda_time_total if us is None else us
+        mine = path.get(ev.key, {})
         rows.append({"kernel": ev.key[:90], "us_per_step": us / steps,
-                     "path_us_per_step": path.get(ev.key, 0.0) / steps,
+                     "path_us_per_step": sum(mine.values()) / steps,
+                     "streams": sorted(rank[s] for s in mine),
                      "calls_per_step": ev.count / steps})
     rows.sort(key=lambda r: (-r["path_us_per_step"], -r["us_per_step"]))
     total = {"kernel": "(all kernels)"}
     total.update({k: sum(r[k] for r in rows)
                   for k in ("us_per_step", "path_us_per_step", "calls_per_step")})
+    total["stream_busy_us_per_step"] = [busy[s] / steps for s in order]
     return rows + [total]
 
 
@@ -1480,17 +1493,25 @@ def _breakdown_markdown(r: dict) -> list[str]:
     lines = [f"GPU kernel time per decode step, {r['model']} {mode} (torch.profiler over 8 "
              f"steps; wall time {r['ms_per_token']:.2f} ms{idle}):", "",
              "| kernel | us per step | us per step after its stream's kernel before | "
-             "calls per step |", "| --- | --- | --- | --- |"]
+             "stream | calls per step |", "| --- | --- | --- | --- | --- |"]
     for k in _shown(r["breakdown"]):
         name = k["kernel"].replace("|", "/")
-        # a JSON written before the thirty-fourth session has no path column
+        # a JSON written before the thirty-fourth session has no path column, and before the
+        # thirty-fifth no stream column
         after = k.get("path_us_per_step")
+        streams = ", ".join(str(s) for s in k.get("streams", []))
         lines.append(f"| `{name}` | {k['us_per_step']:.1f} | "
-                     f"{'' if after is None else f'{after:.1f}'} | {k['calls_per_step']:.0f} |")
+                     f"{'' if after is None else f'{after:.1f}'} | {streams} | "
+                     f"{k['calls_per_step']:.0f} |")
     lines += ["", "us per step: from each call's start, which under programmatic launch "
               "includes its wait for the kernel before; after its stream's kernel before: "
               "only the time from that kernel's end (or the call's start, if later) to the "
-              "call's end, so that each stream's rows add up to its busy time."]
+              "call's end, so that each stream's rows add up to its busy time. stream: the "
+              "streams a kernel ran on, 1 the busiest."]
+    busy = r["breakdown"][-1].get("stream_busy_us_per_step")
+    if busy:
+        lines += ["", "Busy time per step of each stream, 1 the busiest: "
+                  + ", ".join(f"{i + 1}: {us / 1e3:.2f} ms" for i, us in enumerate(busy)) + "."]
     lines.append("")
     if r.get("host_breakdown"):
         lines += [f"Host time per decode step, {r['model']} {mode} (torch.profiler with CPU "

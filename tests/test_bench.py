@@ -80,8 +80,30 @@ def test_kernel_breakdown_sums_per_step():
     assert [r["kernel"] for r in rows] == ["big", "small", "(all kernels)"]
     assert rows[0]["us_per_step"] == 10.0 and rows[0]["calls_per_step"] == 2
     assert rows[0]["path_us_per_step"] == 10.0 and rows[1]["path_us_per_step"] == 1.0
+    assert rows[0]["streams"] == [1] and rows[1]["streams"] == [1]
     assert rows[-1]["us_per_step"] == 11.0 and rows[-1]["calls_per_step"] == 3
     assert rows[-1]["path_us_per_step"] == 11.0
+    assert rows[-1]["stream_busy_us_per_step"] == [11.0]
+
+
+def test_kernel_breakdown_numbers_the_streams_by_busy_time():
+    """The side stream (9) is less busy than the layers' stream (7): 2 against 1; a kernel on
+    both names both; each stream's busy time per step is in the total row, busiest first."""
+    def event(key, us, count):
+        return SimpleNamespace(key=key, device_type=DeviceType.CUDA, self_device_time_total=us,
+                               count=count)
+
+    prof = SimpleNamespace(
+        key_averages=lambda: [event("pred", 20.0, 2), event("up", 60.0, 2),
+                              event("copy", 4.0, 2)],
+        events=lambda: [_traced("pred", 0, 10, stream=9), _traced("up", 0, 30),
+                        _traced("copy", 10, 12, stream=9), _traced("up", 50, 80),
+                        _traced("copy", 80, 82)])
+    rows = bench._kernel_breakdown(prof, steps=2)
+    by_name = {r["kernel"]: r for r in rows}
+    assert by_name["up"]["streams"] == [1] and by_name["pred"]["streams"] == [2]
+    assert by_name["copy"]["streams"] == [1, 2] and by_name["copy"]["path_us_per_step"] == 2.0
+    assert rows[-1]["stream_busy_us_per_step"] == [31.0, 6.0]
 
 
 def test_stream_path_counts_a_kernel_from_the_end_of_the_one_before():
@@ -98,25 +120,31 @@ def test_stream_path_counts_a_kernel_from_the_end_of_the_one_before():
         _traced("host", 0, 100, device=DeviceType.CPU),
     ]
     path = bench._stream_path(SimpleNamespace(events=lambda: events))
-    assert path == {"norm": 14.0, "up": 20.0, "down": 15.0, "tiny": 0.0, "pred": 45.0}
+    assert path == {"norm": {7: 14.0}, "up": {7: 20.0}, "down": {7: 15.0}, "tiny": {7: 0.0},
+                    "pred": {9: 45.0}}
     # the main stream's busy time: 0-45 and 60-64
-    assert sum(v for k, v in path.items() if k != "pred") == 49.0
+    assert sum(v[7] for k, v in path.items() if k != "pred") == 49.0
     # and the same however the events are listed
     assert bench._stream_path(SimpleNamespace(events=lambda: events[::-1])) == path
 
 
-def test_breakdown_table_shows_the_path_column():
+def test_breakdown_table_shows_the_path_and_stream_columns():
     row = {"model": "m", "mode": "dejavu_x", "ms_per_token": 1.0,
            "breakdown": [{"kernel": "up", "us_per_step": 30.0, "path_us_per_step": 20.0,
-                          "calls_per_step": 1},
-                         {"kernel": "(all kernels)", "us_per_step": 30.0,
-                          "path_us_per_step": 20.0, "calls_per_step": 1}]}
+                          "streams": [1], "calls_per_step": 1},
+                         {"kernel": "copy", "us_per_step": 3.0, "path_us_per_step": 2.0,
+                          "streams": [1, 2], "calls_per_step": 2},
+                         {"kernel": "(all kernels)", "us_per_step": 33.0,
+                          "path_us_per_step": 22.0, "calls_per_step": 3,
+                          "stream_busy_us_per_step": [1250.0, 750.0]}]}
     text = "\n".join(bench._breakdown_markdown(row))
-    assert "| `up` | 30.0 | 20.0 | 1 |" in text
-    # an older JSON without the column still renders, its cell empty
+    assert "| `up` | 30.0 | 20.0 | 1 | 1 |" in text and "| `copy` | 3.0 | 2.0 | 1, 2 | 2 |" in text
+    assert "Busy time per step of each stream, 1 the busiest: 1: 1.25 ms, 2: 0.75 ms." in text
+    # an older JSON without the columns still renders, their cells empty
     for k in row["breakdown"]:
-        del k["path_us_per_step"]
-    assert "| `up` | 30.0 |  | 1 |" in "\n".join(bench._breakdown_markdown(row))
+        k.pop("path_us_per_step"), k.pop("streams", None), k.pop("stream_busy_us_per_step", None)
+    text = "\n".join(bench._breakdown_markdown(row))
+    assert "| `up` | 30.0 |  |  | 1 |" in text and "Busy time" not in text
 
 
 def test_host_breakdown_sums_per_step():
@@ -217,13 +245,13 @@ def test_markdown_has_every_section():
     assert "GPU kernel time per decode step, m dejavu_topk" in text
     assert ("last kernel end 4.50 ms a step, of which 0.75 ms with no kernel running and "
             "0.12 ms with two or more at once; kernels on 2 streams") in text
-    assert "| `k/1` | 3.0 |  | 2 |" in text  # a '|' in a kernel name would break the table
+    assert "| `k/1` | 3.0 |  |  | 2 |" in text  # a '|' in a kernel name would break the table
     # the JSON keeps every kernel, the table the first BREAKDOWN_ROWS and the total
     many = [{"kernel": f"k{i}", "us_per_step": 100.0 - i, "calls_per_step": 1} for i in range(20)]
     shown = bench._breakdown_markdown({**result["e2e"][1], "breakdown": many + [
         {"kernel": "(all kernels)", "us_per_step": 1.0, "calls_per_step": 20}]})
     assert "| `k11` |" in "\n".join(shown) and "| `k12` |" not in "\n".join(shown)
-    assert "| `(all kernels)` | 1.0 |  | 20 |" in shown
+    assert "| `(all kernels)` | 1.0 |  |  | 20 |" in shown
     assert "Host time per decode step, m dejavu_topk" in text
     assert "| `cudaGraphLaunch` | 250.0 | 250.0 | 1 |" in text
     assert "| `(all events)` | 900.0 |  | 40 |" in text
