@@ -470,8 +470,10 @@ def _kernel_breakdown(prof, steps: int) -> list[dict]:
     decode steps: ``us_per_step`` from each call's start, its wait under programmatic launch
     included; ``path_us_per_step``, what its calls added to their stream's busy time
     (``_stream_path``); and ``streams``, the streams it ran on, numbered by their busy time (1
-    the busiest: in a decode step the one the layers run on, the selectors' side stream after
-    it). Ordered by ``path_us_per_step``, largest first (every one: the markdown shows the
+    the busiest). These are the streams the profiler saw: a CUDA graph's replay runs its
+    branches on streams the driver picks, so in a captured step the selectors' stream also
+    showed the step's tail (the LM head) and some up and down calls (thirty-fifth session,
+    BENCHMARKS.md). Ordered by ``path_us_per_step``, largest first (every one: the markdown shows the
     first ``BREAKDOWN_ROWS``); a last row totals every kernel, with each stream's busy time per
     step in that order (``stream_busy_us_per_step``)."""
     from torch.autograd import DeviceType
@@ -1507,7 +1509,8 @@ def _breakdown_markdown(r: dict) -> list[str]:
               "includes its wait for the kernel before; after its stream's kernel before: "
               "only the time from that kernel's end (or the call's start, if later) to the "
               "call's end, so that each stream's rows add up to its busy time. stream: the "
-              "streams a kernel ran on, 1 the busiest."]
+              "streams a kernel ran on, 1 the busiest (in a CUDA graph's replay, the streams the "
+              "driver ran the graph's branches on)."]
     busy = r["breakdown"][-1].get("stream_busy_us_per_step")
     if busy:
         lines += ["", "Busy time per step of each stream, 1 the busiest: "
