@@ -755,7 +755,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
          "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl",
          "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
-         "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl")
+         "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl",
+         "dejavu_captured_qkv_norm_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -856,6 +857,10 @@ _DEJAVU_MODES = {
     # (triton_common.EARLY_IDS_ENV set to 1; kernel_switches)
     "dejavu_captured_qkv_early_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     "dejavu_captured_ahead_early_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
+    # dejavu_captured_qkv_pdl with each residual add and layer norm after a sparse MLP or
+    # output projection done by that op's reducing kernel (option fuse_norm)
+    "dejavu_captured_qkv_norm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                "fuse_norm": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,

@@ -202,6 +202,18 @@ class DejavuOptions:
         and Llama-3-8B's in one round (3.44 ms against 3.65 with no programmatic launch at
         all); its GPU tests on a small OPT step and a small Llama lookahead step pass
         (BENCHMARKS.md, thirty-second and thirty-third sessions).
+    fuse_norm: a sparse MLP or head-gathered output projection whose output goes (through an
+        inference dropout) into a residual add, and that sum into a layer norm with weight
+        and bias (OPT's layers and its final norm), becomes ``dejavu::sparse_mlp_norm`` or
+        ``dejavu::sparse_head_out_norm``, which return the sum and its norm
+        (``passes/lower.py::fuse_norms``). On CUDA, with per-row ids, the reducing kernel that
+        finishes the op's outputs adds the residual, and the last of a row's output tiles
+        normalises the row (``kernels/triton_common.py::finish_norm_last``): one kernel fewer
+        for each such norm, 78 of the 80 layer norms of OPT-13B's step at the operating point.
+        The norm's mean and variance are summed in another order than Inductor's, so the
+        outputs can differ in their last bits; the CPU reference computes the same ops as the
+        graph it replaces. Off by default until it is measured on the GPU (bench mode
+        ``dejavu_captured_qkv_norm_pdl``).
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
@@ -242,6 +254,7 @@ class DejavuOptions:
     batch_positions: bool = False
     multi_kernel: bool = False
     inductor_pdl: bool | None = None
+    fuse_norm: bool = False
     shipped_configs: bool = True
     dump_dir: str | None = None
 

@@ -247,7 +247,7 @@ def _register_onnx_symbolics() -> None:
                 else:
                     attrs[f"{arg.name}_s"] = sh._maybe_get_const(value, "s")
             return g.op(f"{ONNX_DOMAIN}::{_camel(name)}", *inputs, inputs_s=",".join(present),
-                        **attrs)
+                        outputs=len(schema.returns), **attrs)
 
         register_custom_op_symbolic(f"dejavu::{name}", symbolic, 1)
 

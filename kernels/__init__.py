@@ -32,6 +32,24 @@ if __name__ != "kernels":
         ops.lazy_qkv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_qkv, 11))
     # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
     ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9, tells_ahead=HAVE_TRITON))
+
+    @ops.sparse_mlp_norm.register_kernel("cuda")
+    def _mlp_norm(x, idx, w1, b1, w_up, w2_t, b2, act, residual, norm_w, norm_b, eps,
+                  union=False, keep=None, slot=-1, workspace=None):
+        lookahead.join(x.device, slot)
+        norm = (residual, norm_w, norm_b, eps)
+        if not HAVE_TRITON:
+            return reference.add_norm(_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union), *norm)
+        return _mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead=slot >= 0,
+                    norm=norm)
+
+    if HAVE_TRITON:
+        @ops.sparse_head_out_norm.register_kernel("cuda")
+        def _head_out_norm(attn, idx, wo_t, b, head_dim, residual, norm_w, norm_b, eps,
+                           union=False, workspace=None, early=False):
+            return heads.sparse_head_out(attn, idx, wo_t, b, head_dim, union, workspace, early,
+                                         norm=(residual, norm_w, norm_b, eps))
+
     ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))
     ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)
     ops.select_hidden.register_kernel("cuda")(predictor.select_hidden)

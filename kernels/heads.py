@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import ops
+from . import reference as ref
 from . import triton_common as tc
 from .triton_common import (
     add_partial,
@@ -122,15 +123,19 @@ def _out_add(acc, a_row, wrows, mask, w):
 @triton.jit
 def _head_out_kernel(
     # FUSED: the kernel finishes into ``fin_ptr`` (as sparse_mlp._down_kernel); CLEAN: and
-    # leaves its sums and counters zero (a workspace, ``triton_common.workspace_targets``)
+    # leaves its sums and counters zero (a workspace, ``triton_common.workspace_targets``);
+    # NORM: and adds the residual and normalises the rows (as sparse_mlp._down_kernel)
     a_ptr, idx_ptr, w_ptr, out_ptr, fin_ptr, b_ptr, cnt_ptr,
-    DOUT, J, HEAD_DIM,
-    stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_part,
+    res_ptr, nrm_ptr, nw_ptr, nb_ptr, stats_ptr, rcnt_ptr,
+    DOUT, J, HEAD_DIM, eps,
+    stride_a, stride_idx, stride_wn, stride_wo, stride_out, stride_stats, stride_part,
     ATOMIC: tl.constexpr, FUSED: tl.constexpr, HAS_B: tl.constexpr, CLEAN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
     # EARLY: the ids are older than the kernel before (``triton_common.early_ids``): they and
     # the first tile's weights load before the wait; the activations, its output, after
     EARLY: tl.constexpr,
+    NORM: tl.constexpr = False, HAS_NB: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
+    CHUNK: tl.constexpr = 1, CHUNKS: tl.constexpr = 1,
 ):
     row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -149,7 +154,14 @@ def _head_out_kernel(
         acc = _out_add(acc, a_ptr + row * stride_a, wrows, mask, w)
     add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
-    if FUSED:
+    if FUSED and NORM:
+        tc.finish_norm_last(out_ptr + row * stride_out + offs_o, b_ptr + offs_o, offs_o, mask_o,
+                            cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1),
+                            res_ptr + row * stride_out, fin_ptr + row * stride_out,
+                            nrm_ptr + row * stride_out, nw_ptr, nb_ptr,
+                            stats_ptr + row * stride_stats, rcnt_ptr + row, DOUT, eps, HAS_B,
+                            HAS_NB, CLEAN, BLOCK_D, BLOCK_T, CHUNK, CHUNKS)
+    elif FUSED:
         tc.finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
                        b_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
                        tl.num_programs(1), HAS_B, CLEAN)
@@ -313,18 +325,27 @@ def reads_columns(wo_t: torch.Tensor, head_dim: int) -> bool:
 
 
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
-                    workspace: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
+                    workspace: torch.Tensor | None = None, early: bool = False, norm=None):
     """Triton launcher of ``torch.ops.dejavu.sparse_head_out``: [..., H * head_dim] -> [..., d].
     On the original layout (``reads_columns``), one launch that stores finished outputs (no
     workspace used). Otherwise, with per-row ids and atomics, a ``workspace`` (fp32 zeros,
     ``ops.workspace_numel``) holds the sums and counters, and is given back zero: no zero-fill
     launch. ``early``: the ids are older than the kernel before (the op's), so with
     ``DEJAVU_EARLY_IDS=1`` the per-row kernel loads them and its first weights before its
-    wait (``triton_common.early_ids``)."""
+    wait (``triton_common.early_ids``). With ``norm`` = (residual, weight, bias or None, eps):
+    ``torch.ops.dejavu.sparse_head_out_norm``, returning (residual + output, its layer norm),
+    finished by the per-row kernel itself as ``sparse_mlp.sparse_mlp``'s (``workspace`` then
+    has ``ops.norm_numel`` values more), otherwise computed after the op."""
     tc.check_dtype("sparse_head_out", attn, wo_t, b)
     rows = _rows(attn)
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
+    det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
+    if norm is not None:
+        tc.check_norm("sparse_head_out_norm", attn, d_out, *norm)
+        if reads_columns(wo_t, head_dim) or not tc.fuses_finish(det, shared):
+            return ref.add_norm(sparse_head_out(attn, idx, wo_t, b, head_dim, union, workspace,
+                                                early), *norm)
     if reads_columns(wo_t, head_dim):
         out = torch.empty(rows.shape[0], d_out, device=attn.device, dtype=attn.dtype)
         block_h = triton.next_power_of_2(head_dim)
@@ -335,7 +356,6 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(1), out.stride(0),
                   HAS_B=b is not None, BLOCK_H=block_h, EXACT=block_h == head_dim)
         return out.reshape(*attn.shape[:-1], d_out)
-    det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
     fixed = tc.UNION_REDUCE_FIXED if shared else tc.REDUCE_FIXED
     fin = cnt = None
     clean = workspace is not None and tc.fuses_finish(det, shared)
@@ -362,16 +382,31 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
                   ATOMIC=not det, IEEE=tc.ieee(rows, wo_t), ROWS=tc.UNION_ROWS,
                   fixed=fixed if det else None)
     else:
+        fin_arg = fin if fin is not None else parts
+        cnt_arg = cnt if cnt is not None else parts
+        # without a norm its pointers repeat others of the same dtypes: one tuning key for both
+        res, nrm, nw, nb, stats, rcnt, eps = fin_arg, fin_arg, fin_arg, None, parts, cnt_arg, 0.0
+        if norm is not None:
+            stats, rcnt = tc.norm_buffers(rows.shape[0], d_out, attn.device,
+                                          workspace if clean else None,
+                                          ops.workspace_numel(rows.shape[0], d_out))
+            res, nrm = norm[0].reshape(rows.shape[0], d_out).contiguous(), torch.empty_like(fin)
+            nw, nb, eps = norm[1], norm[2], float(norm[3])
         tc.launch(_head_out_kernel,
                   lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
                              triton.cdiv(d_out, m["BLOCK_D"])),
-                  rows, sel, wo_t, parts[0], fin if fin is not None else parts,
-                  b if b is not None else wo_t, cnt if cnt is not None else parts,
-                  d_out, j, head_dim,
+                  rows, sel, wo_t, parts[0], fin_arg, b if b is not None else wo_t, cnt_arg,
+                  res, nrm, nw, nb if nb is not None else nw, stats, rcnt,
+                  d_out, j, head_dim, eps,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1),
-                  parts.stride(1), parts.stride(0) if det else 0,
+                  parts.stride(1), stats.stride(0) if norm is not None else 0,
+                  parts.stride(0) if det else 0,
                   ATOMIC=not det, FUSED=fin is not None, HAS_B=b is not None, CLEAN=clean,
-                  EARLY=early and tc.early_ids(), fixed=fixed if det else None)
+                  EARLY=early and tc.early_ids(), NORM=norm is not None, HAS_NB=nb is not None,
+                  **tc.norm_meta(d_out), fixed=fixed if det else None)
+        if norm is not None:
+            shape = norm[0].shape
+            return fin.reshape(shape), nrm.reshape(shape)
     if fin is None:
         fin = tc.finish(tc.total(parts, det), b, attn.dtype)
     return fin.reshape(*attn.shape[:-1], d_out)

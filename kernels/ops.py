@@ -39,6 +39,13 @@ def workspace_numel(rows: int, d_out: int, k: int = 0, gated: bool = False) -> i
         + rows * -(-d_out // COUNT_BLOCK)
 
 
+def norm_numel(rows: int, d_out: int) -> int:
+    """fp32 values that ``sparse_mlp_norm`` and ``sparse_head_out_norm`` add after their
+    op's workspace (``workspace_numel``): each output tile's two statistics (at most one tile
+    per ``COUNT_BLOCK`` columns) and a counter per row (``triton_common.finish_norm_last``)."""
+    return rows * (2 * -(-d_out // COUNT_BLOCK) + 1)
+
+
 def _ids_like(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], n, dtype=torch.int64)
 
@@ -175,6 +182,79 @@ def sparse_mlp(
 @sparse_mlp.register_fake
 def _(x, idx, w1, b1, w_up, w2_t, b2, act, union=False, keep=None, slot=-1, workspace=None):
     return x.new_empty(*x.shape[:-1], w2_t.shape[1])
+
+
+def _check_norm(name, y_shape, residual, norm_w) -> None:
+    if tuple(residual.shape) != tuple(y_shape) or norm_w.shape != (y_shape[-1],):
+        raise ValueError(f"{name}: the residual must have the op's output shape {tuple(y_shape)} "
+                         f"and the norm's weight its last dim, got {tuple(residual.shape)} and "
+                         f"{tuple(norm_w.shape)}")
+
+
+# The two ops below are a sparse op followed by the residual add and layer norm that read its
+# output (``passes/lower.py::fuse_norms``, option ``fuse_norm``): on CUDA the reducing kernel
+# that finishes the op's outputs also adds the residual and normalises the row, so no layer
+# norm kernel runs after it. Returned: (residual + output, layer_norm(residual + output)).
+
+
+@torch.library.custom_op(f"{_LIB}::sparse_mlp_norm", mutates_args=())
+def sparse_mlp_norm(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w_up: torch.Tensor | None,
+    w2_t: torch.Tensor,
+    b2: torch.Tensor | None,
+    act: str,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor | None,
+    eps: float,
+    union: bool = False,
+    keep: torch.Tensor | None = None,
+    slot: int = -1,
+    workspace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_mlp``, then ``h = residual + output`` and ``layer_norm(h)`` over the last dim
+    with ``norm_w`` and ``norm_b``: returns (h, the normalised h). ``workspace``:
+    ``workspace_numel`` plus ``norm_numel`` values."""
+    y = ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union)
+    _check_norm("sparse_mlp_norm", y.shape, residual, norm_w)
+    return ref.add_norm(y, residual, norm_w, norm_b, eps)
+
+
+@sparse_mlp_norm.register_fake
+def _(x, idx, w1, b1, w_up, w2_t, b2, act, residual, norm_w, norm_b, eps, union=False,
+      keep=None, slot=-1, workspace=None):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
+@torch.library.custom_op(f"{_LIB}::sparse_head_out_norm", mutates_args=())
+def sparse_head_out_norm(
+    attn: torch.Tensor,
+    idx: torch.Tensor,
+    wo_t: torch.Tensor,
+    b: torch.Tensor | None,
+    head_dim: int,
+    residual: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor | None,
+    eps: float,
+    union: bool = False,
+    workspace: torch.Tensor | None = None,
+    early: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_head_out``, then the residual add and layer norm as ``sparse_mlp_norm``."""
+    y = ref.sparse_head_out(attn, idx, wo_t, b, head_dim, union)
+    _check_norm("sparse_head_out_norm", y.shape, residual, norm_w)
+    return ref.add_norm(y, residual, norm_w, norm_b, eps)
+
+
+@sparse_head_out_norm.register_fake
+def _(attn, idx, wo_t, b, head_dim, residual, norm_w, norm_b, eps, union=False, workspace=None,
+      early=False):
+    return torch.empty_like(residual), torch.empty_like(residual)
 
 
 @torch.library.custom_op(f"{_LIB}::sparse_head_proj", mutates_args=())

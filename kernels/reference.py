@@ -238,6 +238,13 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
+def add_norm(y, residual, norm_w, norm_b, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and layer norm after a sparse op (``ops.sparse_mlp_norm``): y and
+    residual [..., d] -> (h = residual + y, layer_norm(h) over d), both in residual's dtype."""
+    h = residual + y.reshape(residual.shape)
+    return h, torch.nn.functional.layer_norm(h, (h.shape[-1],), norm_w, norm_b, eps)
+
+
 def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False) -> torch.Tensor:
     """Output projection over the selected heads only.
 

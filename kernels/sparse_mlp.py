@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops import workspace_numel
+from .reference import add_norm
 from .triton_common import (
     ACT_CODES,
     REDUCE_FIXED,
@@ -53,18 +55,22 @@ from .triton_common import (
     add_rows,
     apply_act,
     check_dtype,
+    check_norm,
     deterministic,
     dot_rows,
     dot_split,
     early_ids,
     finish,
     finish_last,
+    finish_norm_last,
     fused_targets,
     fuses_finish,
     idx_stride,
     ieee,
     launch,
     load_rows,
+    norm_buffers,
+    norm_meta,
     partials,
     reduce_configs,
     reduce_slots,
@@ -212,12 +218,15 @@ def _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT: tl.cons
 def _down_kernel(
     # pointers (FUSED: ``fin_ptr`` the output in its dtype, ``b2_ptr`` its bias, ``cnt_ptr``
     # the counters of ``triton_common.finish_last``; CLEAN: ``clean_ptr`` [R, K] counters of
-    # the programs done reading each neuron tile)
+    # the programs done reading each neuron tile; NORM: the residual, the normalised output,
+    # the norm's weight and bias, the tiles' statistics and the rows' counters of
+    # ``triton_common.finish_norm_last``, ``fin_ptr`` then the residual sum)
     pre_ptr, up_ptr, idx_ptr, b1_ptr, w2t_ptr, out_ptr, fin_ptr, b2_ptr, cnt_ptr, clean_ptr,
+    res_ptr, nrm_ptr, nw_ptr, nb_ptr, stats_ptr, rcnt_ptr,
     # sizes
-    DOUT, K,
+    DOUT, K, eps,
     # strides (``W2_t`` may be any view: a row per neuron is fastest, see the lower pass)
-    stride_pre, stride_idx, stride_w2n, stride_w2o, stride_out,
+    stride_pre, stride_idx, stride_w2n, stride_w2o, stride_out, stride_stats,
     # between the slots of partial sums (deterministic mode, ATOMIC false; a slot per pid_n)
     stride_part,
     # meta-parameters
@@ -227,6 +236,8 @@ def _down_kernel(
     # to read each neuron tile, its pre-activations
     CLEAN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr = False, HAS_NB: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
+    CHUNK: tl.constexpr = 1, CHUNKS: tl.constexpr = 1,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -251,7 +262,14 @@ def _down_kernel(
                         GATED)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
-    if FUSED:
+    if FUSED and NORM:
+        finish_norm_last(out_ptr + row * stride_out + offs_o, b2_ptr + offs_o, offs_o, mask_o,
+                         cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1),
+                         res_ptr + row * stride_out, fin_ptr + row * stride_out,
+                         nrm_ptr + row * stride_out, nw_ptr, nb_ptr,
+                         stats_ptr + row * stride_stats, rcnt_ptr + row, DOUT, eps, HAS_B2,
+                         HAS_NB, CLEAN, BLOCK_D, BLOCK_T, CHUNK, CHUNKS)
+    elif FUSED:
         finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
                     b2_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
                     tl.num_programs(1), HAS_B2, CLEAN)
@@ -409,11 +427,14 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
 
 
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
-                 fin=None, b2=None, cnt=None, clean=None):
+                 fin=None, b2=None, cnt=None, clean=None, norm=None):
     """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP). With ``fin``
     (per-row ids, atomics) the kernel finishes its outputs into it, adding ``b2``, counting in
     ``cnt`` (``triton_common.finish_last``); with ``clean`` ([R, k] int32 zeros) it leaves the
-    pre-activations, sums and counters zero (a workspace, ``workspace_targets``)."""
+    pre-activations, sums and counters zero (a workspace, ``workspace_targets``). ``norm``
+    (with ``fin``): (residual [R, d_out], normalised output [R, d_out], the norm's weight and
+    bias, statistics, row counters, eps) of ``triton_common.finish_norm_last``, ``fin`` then
+    receiving the residual sum."""
     k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
     if shared(sel, n_rows):
         launch(_down_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -426,22 +447,28 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
                ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
                IEEE=ieee(w2_t), ROWS=UNION_ROWS, fixed=UNION_REDUCE_FIXED if det else None)
     else:
+        fin_arg = fin if fin is not None else parts
+        cnt_arg = cnt if cnt is not None else parts
+        # without a norm its pointers repeat others of the same dtypes: one tuning key for both
+        res, nrm, nw, nb, stats, rcnt, eps = norm or (fin_arg, fin_arg, fin_arg, None, parts,
+                                                      cnt_arg, 0.0)
         launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                                         triton.cdiv(d_out, m["BLOCK_D"])),
                pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
-               fin if fin is not None else parts, b2 if b2 is not None else w2_t,
-               cnt if cnt is not None else parts,
-               clean if clean is not None else (cnt if cnt is not None else parts),
-               d_out, k,
+               fin_arg, b2 if b2 is not None else w2_t, cnt_arg,
+               clean if clean is not None else cnt_arg,
+               res, nrm, nw, nb if nb is not None else nw, stats, rcnt,
+               d_out, k, eps,
                pre.stride(1), idx_stride(sel), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
-               parts.stride(0) if det else 0,
+               stats.stride(0) if norm else 0, parts.stride(0) if det else 0,
                ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
                FUSED=fin is not None, HAS_B2=b2 is not None, CLEAN=clean is not None,
+               NORM=norm is not None, HAS_NB=nb is not None, **norm_meta(d_out),
                fixed=REDUCE_FIXED if det else None)
 
 
 def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
-               workspace: torch.Tensor | None = None, ahead: bool = False) -> torch.Tensor:
+               workspace: torch.Tensor | None = None, ahead: bool = False, norm=None):
     """Triton launcher with the signature of ``torch.ops.dejavu.sparse_mlp``.
 
     x: [..., d] (fp16/bf16/fp32); idx: [..., k] int64; w1, w_up: [N, d]; w2_t: [N, d_out];
@@ -449,10 +476,16 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     ids and atomics the op then launches no zero-fill (two launches, not three); ahead: the
     ids come from a predictor run a layer ahead (``kernels.lookahead.waiting``), so with
     ``DEJAVU_EARLY_IDS=1`` the up kernel loads them before its wait (``triton_common.early_ids``);
-    returns [..., d_out] in x's dtype.
+    returns [..., d_out] in x's dtype. With ``norm`` = (residual [..., d_out], weight, bias or
+    None, eps): ``torch.ops.dejavu.sparse_mlp_norm``, returning (residual + output, its layer
+    norm), which the down kernel finishes itself with per-row ids and atomics
+    (``triton_common.finish_norm_last``; ``workspace`` then has ``ops.norm_numel`` values
+    more); otherwise they are computed after the op.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
     d, d_out = x.shape[-1], w2_t.shape[1]
+    if norm is not None:
+        check_norm("sparse_mlp_norm", x, d_out, *norm)
     if w1.stride(1) != 1 or (w_up is not None and w_up.stride(1) != 1):
         raise ValueError("sparse_mlp kernel needs row-contiguous w1 and w_up")
     rows = x.reshape(-1, d).contiguous()
@@ -460,6 +493,9 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
     n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
+    if norm is not None and (stores_rows() or not fuses_finish(det, union_ids)):
+        return add_norm(sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead),
+                        *norm)
     if stores_rows() and fuses_finish(det, union_ids):
         # no fill: the up kernel stores the pre-activations and zeroes the sums and counters
         n_pre = 2 if gated else 1
@@ -472,12 +508,25 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
                (w_up if gated else w1).stride(0), pre.stride(1), GATED=gated)
         _launch_down(pre, sel, b1, w2_t, out[None], act, gated, det, fin, b2, cnt)
         return fin.reshape(*x.shape[:-1], d_out)
-    pre, out, cnt, fin, clean = _targets(det, 2 if gated else 1, n_rows, k, d, d_out, x.device,
+    n_pre = 2 if gated else 1
+    pre, out, cnt, fin, clean = _targets(det, n_pre, n_rows, k, d, d_out, x.device,
                                          x.dtype, union=union_ids, workspace=workspace)
+    fused = None
+    if norm is not None:  # (fin: the fused finish, which norm needs, is checked above)
+        residual, norm_w, norm_b, eps = norm
+        stats, rcnt = norm_buffers(n_rows, d_out, x.device, workspace,
+                                   workspace_numel(n_rows, d_out, k, gated))
+        normed = torch.empty_like(fin)
+        fused = (residual.reshape(n_rows, d_out).contiguous(), normed, norm_w, norm_b, stats,
+                 rcnt, float(eps))
     # on a workspace no fill runs: the kernel before the up kernel is another op's
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
                after=clean is None, early=ahead and early_ids())
-    _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean)
+    _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean,
+                 fused)
+    if fused is not None:
+        shape = norm[0].shape
+        return fin.reshape(shape), normed.reshape(shape)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)
     return fin.reshape(*x.shape[:-1], d_out)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import COUNT_BLOCK, workspace_numel
+from .ops import COUNT_BLOCK, norm_numel, workspace_numel
 
 try:  # programmatic dependent launch (Hopper and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -252,6 +252,17 @@ def add_rows(acc, w_ptr, rows, valid, stride_w, offs_d, mask_d, x):
 
 
 @triton.jit
+def _biased_sums(acc_ptrs, b_ptrs, mask, HAS_B: tl.constexpr):
+    """The fp32 sums at ``acc_ptrs`` (read atomically, from L2 where the atomics ran) plus the
+    bias at ``b_ptrs``: a reducing kernel's finished outputs."""
+    v = tl.atomic_add(acc_ptrs, tl.zeros(acc_ptrs.shape, dtype=tl.float32), mask=mask,
+                      sem="acquire")
+    if HAS_B:
+        v += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
 def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.constexpr,
                 CLEAN: tl.constexpr = False):
     """The finish launch folded into a reducing kernel: after this program has added its
@@ -264,14 +275,98 @@ def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.co
     between calls (``workspace_targets``)."""
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == n_split - 1:
-        v = tl.atomic_add(acc_ptrs, tl.zeros(acc_ptrs.shape, dtype=tl.float32), mask=mask,
-                          sem="acquire")
-        if HAS_B:
-            v += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+        v = _biased_sums(acc_ptrs, b_ptrs, mask, HAS_B)
         tl.store(out_ptrs, v.to(out_ptrs.dtype.element_ty), mask=mask)
         if CLEAN:
             tl.store(acc_ptrs, tl.zeros(acc_ptrs.shape, dtype=tl.float32), mask=mask)
             tl.atomic_xchg(cnt_ptr, 0)
+
+
+@triton.jit
+def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res_row, h_row, n_row,
+                     nw_ptr, nb_ptr, stats_row, rcnt_ptr, DOUT, eps, HAS_B: tl.constexpr,
+                     HAS_NB: tl.constexpr, CLEAN: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """``finish_last`` followed by the residual add and the layer norm that read its output
+    (``ops.sparse_mlp_norm``): the last program of an output tile (columns ``offs`` of the
+    row) stores ``h = residual + round(sums + b)`` at ``h_row``, and the tile's sum and sum of
+    squared deviations from its own mean at ``stats_row``; the last of the row's tiles
+    (``rcnt_ptr`` counts them, and is left zero) merges the tiles' statistics (Chan's
+    formula: the row's mean and variance, no cancellation of a one-pass E[h^2] - E[h]^2) and
+    stores ``(h - mean) / sqrt(var + eps) * w (+ b)`` for the whole row at ``n_row``, in
+    ``CHUNKS`` chunks of ``CHUNK`` columns. One kernel fewer in the step than a layer norm
+    launched after; the row's values are read back from L2 (``.cg``), where the other
+    programs' stores went before their count (release) and after this one's (acquire). The
+    statistics and the row's counter are left zero."""
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == n_split - 1:
+        v = _biased_sums(acc_ptrs, b_ptrs, mask, HAS_B)
+        # the op's output rounded to its dtype, then the residual add rounded again: what the
+        # graph computed before the rewrite
+        y = v.to(h_row.dtype.element_ty).to(tl.float32)
+        res = tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (res + y).to(h_row.dtype.element_ty)
+        tl.store(h_row + offs, h, mask=mask)
+        hf = tl.where(mask, h.to(tl.float32), 0.0)
+        total = tl.sum(hf, 0)
+        dev = tl.where(mask, hf - total / tl.sum(mask.to(tl.float32), 0), 0.0)
+        tile = tl.program_id(2)
+        tl.store(stats_row + 2 * tile, total)
+        tl.store(stats_row + 2 * tile + 1, tl.sum(dev * dev, 0))
+        if CLEAN:
+            tl.store(acc_ptrs, tl.zeros(acc_ptrs.shape, dtype=tl.float32), mask=mask)
+            tl.atomic_xchg(cnt_ptr, 0)
+        tl.debug_barrier()
+        tiles = tl.num_programs(2)
+        if tl.atomic_add(rcnt_ptr, 1, sem="acq_rel") == tiles - 1:
+            t = tl.arange(0, BLOCK_T)
+            mt = t < tiles
+            sums = tl.load(stats_row + 2 * t, mask=mt, other=0.0, cache_modifier=".cg")
+            m2 = tl.load(stats_row + 2 * t + 1, mask=mt, other=0.0, cache_modifier=".cg")
+            # read: left zero, like the rest of a workspace
+            tl.store(stats_row + 2 * t, tl.zeros([BLOCK_T], dtype=tl.float32), mask=mt)
+            tl.store(stats_row + 2 * t + 1, tl.zeros([BLOCK_T], dtype=tl.float32), mask=mt)
+            width = tl.maximum(tl.minimum(DOUT - t * BLOCK_D, BLOCK_D), 1).to(tl.float32)
+            mean = tl.sum(sums, 0) / DOUT
+            gap = tl.where(mt, sums / width - mean, 0.0)
+            var = (tl.sum(m2, 0) + tl.sum(width * gap * gap, 0)) / DOUT
+            rstd = 1.0 / tl.sqrt(var + eps)
+            for c in tl.static_range(CHUNKS):
+                cols = c * CHUNK + tl.arange(0, CHUNK)
+                mc = cols < DOUT
+                x = tl.load(h_row + cols, mask=mc, other=0.0, cache_modifier=".cg")
+                out = (x.to(tl.float32) - mean) * rstd \
+                    * tl.load(nw_ptr + cols, mask=mc, other=0.0).to(tl.float32)
+                if HAS_NB:
+                    out += tl.load(nb_ptr + cols, mask=mc, other=0.0).to(tl.float32)
+                tl.store(n_row + cols, out.to(n_row.dtype.element_ty), mask=mc)
+            tl.atomic_xchg(rcnt_ptr, 0)
+
+
+def norm_meta(d_out: int) -> dict:
+    """``finish_norm_last``'s sizes for rows of ``d_out``: the tiles' statistics in one load
+    (at most one tile per ``COUNT_BLOCK`` columns) and the row in chunks of at most 1024."""
+    chunk = min(1024, triton.next_power_of_2(d_out))
+    return {"BLOCK_T": triton.next_power_of_2(triton.cdiv(d_out, COUNT_BLOCK)), "CHUNK": chunk,
+            "CHUNKS": triton.cdiv(d_out, chunk)}
+
+
+def norm_buffers(n_rows: int, d_out: int, device, workspace: torch.Tensor | None = None,
+                 at: int = 0):
+    """The [R, 2 * tiles] fp32 statistics and [R] int32 row counters of ``finish_norm_last``:
+    ``norm_numel`` values of ``workspace`` from ``at`` (zero between calls: the kernel leaves
+    the counters zero), or of a new zeroed buffer."""
+    width = 2 * triton.cdiv(d_out, COUNT_BLOCK)
+    need = norm_numel(n_rows, d_out)
+    if workspace is None:
+        buf, at = torch.zeros(need, device=device, dtype=torch.float32), 0
+    elif workspace.numel() < at + need:
+        raise ValueError(f"sparse op workspace must hold {at + need} fp32 values with the layer "
+                         f"norm's (ops.norm_numel), got {workspace.numel()}")
+    else:
+        buf = workspace
+    stats = buf[at: at + n_rows * width].view(n_rows, width)
+    return stats, buf[at + n_rows * width: at + need].view(torch.int32)
 
 
 @triton.jit
@@ -394,6 +489,22 @@ def column_configs() -> list[triton.Config]:
     shapes = [(8, 1, 2), (8, 2, 2), (8, 4, 4), (16, 1, 4), (16, 2, 4), (16, 4, 4), (16, 2, 2),
               (32, 1, 4), (32, 2, 4), (32, 2, 8), (32, 4, 8), (64, 1, 8), (64, 2, 8)]
     return [triton.Config({"BLOCK_M": m, "UNROLL": u}, num_warps=w) for m, u, w in shapes]
+
+
+def check_norm(name: str, x: torch.Tensor, d_out: int, residual, norm_w, norm_b, eps) -> None:
+    """Raise a clear error for a residual or layer norm the fused finish cannot take: the
+    residual in x's dtype with d_out values a row, the weight and bias [d_out]."""
+    check_dtype(name, residual, norm_w, norm_b)
+    if residual.dtype != x.dtype or residual.shape[-1] != d_out \
+            or residual.numel() != x.numel() // x.shape[-1] * d_out:
+        raise ValueError(f"{name}: the residual must be {x.dtype} [..., {d_out}] with the input's "
+                         f"rows, got {residual.dtype} {tuple(residual.shape)}")
+    for t in (norm_w, norm_b):
+        if t is not None and tuple(t.shape) != (d_out,):
+            raise ValueError(f"{name}: the norm's weight and bias must be [{d_out}], got "
+                             f"{tuple(t.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be a non-negative number, got {eps}")
 
 
 def check_dtype(name: str, *tensors) -> None:

@@ -569,15 +569,17 @@ def workspaces(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     again, so the op launches no zero-fill (``kernels/sparse_mlp.py``, ``kernels/heads.py``; a
     batch's union selection and deterministic mode keep their own buffers, and the CPU
     reference needs none)."""
-    from dejavu_compile.kernels.ops import workspace_numel
+    from dejavu_compile.kernels.ops import norm_numel, workspace_numel
 
     graph = gm.graph
     for node in list(graph.nodes):
-        mlp = is_op(node, "sparse_mlp")
-        if not (mlp or is_op(node, "sparse_head_out")) or "workspace" in node.kwargs:
+        normed = is_op(node, "sparse_mlp_norm") or is_op(node, "sparse_head_out_norm")
+        mlp = is_op(node, "sparse_mlp") or is_op(node, "sparse_mlp_norm")
+        if not (mlp or normed or is_op(node, "sparse_head_out")) or "workspace" in node.kwargs:
             continue
-        # (x, ids, the [N, d_out] weight, the op's union argument, the gated MLP's up weight)
-        at = (0, 1, 5, 8, 4) if mlp else (0, 1, 2, 5, None)
+        # (x, ids, the [N, d_out] weight, the op's union argument, the gated MLP's up weight);
+        # the norm ops take (residual, weight, bias, eps) before ``union``
+        at = (0, 1, 5, 8 + 4 * normed, 4) if mlp else (0, 1, 2, 5 + 4 * normed, None)
         if len(node.args) <= at[2]:
             continue
         x, idx, w_t = (fake_value(a) if isinstance(a, fx.Node) else a
@@ -593,11 +595,124 @@ def workspaces(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             continue
         gated = mlp and node.args[at[4]] is not None
         with graph.inserting_before(node):
+            numel = workspace_numel(*sizes, gated=gated) + (norm_numel(*sizes[:2]) if normed else 0)
             workspace = add_constant(gm, ctx, "workspace", torch.zeros(
-                workspace_numel(*sizes, gated=gated), dtype=torch.float32, device=x.device),
-                fake_mode)
+                numel, dtype=torch.float32, device=x.device), fake_mode)
         node.kwargs = {**node.kwargs, "workspace": workspace}
         ctx.counters.add("workspace[mlp]" if mlp else "workspace[attention]")
+
+
+# (the op, its arguments before ``union``, the names of those after, in order)
+_NORMED = {"sparse_mlp": ("sparse_mlp_norm", 8, ("union", "keep", "slot", "workspace")),
+           "sparse_head_out": ("sparse_head_out_norm", 5, ("union", "workspace", "early"))}
+
+
+def _inference_dropout(node) -> bool:
+    """``F.dropout(x, p, training=False)``: the identity (Dynamo keeps the call)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target in (torch.nn.functional.dropout, torch.dropout)):
+        return False
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get(
+        "training", node.kwargs.get("train", node.target is torch.nn.functional.dropout))
+    return training is False
+
+
+def _same_rows(node) -> bool:
+    """A ``view`` or ``reshape`` (the only user it may have between a residual add and its
+    layer norm): the same values, in the same order, in another shape."""
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target in ("view", "reshape"))
+        or (node.op == "call_function" and node.target in (torch.reshape,)))
+
+
+def _layer_norm_of(total: fx.Node):
+    """The layer norm over the last dim, with a weight, that reads ``total`` (directly or
+    through one view of it): (that norm, the view or None, weight, bias, eps); else None."""
+    for user in total.users:
+        reads = [user] + ([u for u in user.users] if _same_rows(user) else [])
+        for node in reads:
+            if not (node.op == "call_function" and node.target is torch.nn.functional.layer_norm):
+                continue
+            args = (list(node.args) + [None] * 5)[:5]
+            names = ("input", "normalized_shape", "weight", "bias", "eps")
+            inp, shape, weight, bias, eps = (node.kwargs.get(n, a)
+                                             for n, a in zip(names, args, strict=True))
+            eps = 1e-5 if eps is None else eps
+            val = fake_value(total)
+            if inp is not (total if node is user else user) or not isinstance(weight, fx.Node) \
+                    or not isinstance(eps, float) or not isinstance(val, torch.Tensor) \
+                    or list(shape) != [val.shape[-1]]:
+                continue
+            return node, (user if node is not user else None), weight, bias, eps
+    return None
+
+
+def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
+    """Option ``fuse_norm``: ``ln(residual + op(...))``, the sparse MLP's or output
+    projection's output through an inference dropout into a residual add, and that sum (or a
+    view of it) into a layer norm with a weight, becomes one ``dejavu::sparse_mlp_norm`` or
+    ``dejavu::sparse_head_out_norm`` returning (the sum, its norm); the sum's other readers (the
+    next residual add) read the first. On CUDA the op's reducing kernel does the add and the
+    norm in its finish (``kernels/triton_common.py::finish_norm_last``), so no layer norm
+    kernel runs after it. Anything else (an RMS norm, a norm without a weight, another user
+    of the op's output) is left as it is (``fuse_norm_skipped``)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        name = next((k for k in _NORMED if is_op(node, k)), None)
+        if name is None:
+            continue
+        new_name, n_args, after = _NORMED[name]
+        out = node
+        if len(out.users) == 1 and _inference_dropout(next(iter(out.users))):
+            out = next(iter(out.users))
+        total = next(iter(out.users)) if len(out.users) == 1 else None
+        if not (len(node.users) == 1 and total is not None and total.op == "call_function"
+                and total.target in (operator.add, torch.add) and len(total.args) == 2
+                and not total.kwargs and out in total.args):
+            ctx.counters.add("fuse_norm_skipped")
+            continue
+        residual = total.args[1] if total.args[0] is out else total.args[0]
+        found = _layer_norm_of(total)
+        res, val = fake_value(residual) if isinstance(residual, fx.Node) else None, \
+            fake_value(out)
+        if found is None or not isinstance(res, torch.Tensor) or res.shape != val.shape \
+                or res.dtype != val.dtype:
+            ctx.counters.add("fuse_norm_skipped")
+            continue
+        norm, view, weight, bias, eps = found
+        if any(isinstance(a, fx.Node) and order[a] > order[total] for a in (weight, bias)):
+            ctx.counters.add("fuse_norm_skipped")  # (defined after the add: not a parameter)
+            continue
+        kwargs = dict(zip(after, node.args[n_args:], strict=False))  # (trailing ones may be kwargs)
+        kwargs.update(node.kwargs)
+        with graph.inserting_before(total):
+            fused = graph.call_function(getattr(torch.ops.dejavu, new_name).default,
+                                        (*node.args[:n_args], residual, weight, bias, eps),
+                                        kwargs)
+            set_val(fused, fake_mode)
+            fused.meta["dejavu"] = dict(node.meta.get("dejavu", {}))
+            parts = []
+            for i in range(2):
+                part = graph.call_function(operator.getitem, (fused, i))
+                set_val(part, fake_mode)
+                parts.append(part)
+        normed = parts[1]
+        if tuple(fake_value(norm).shape) != tuple(val.shape):
+            with graph.inserting_before(norm):
+                normed = graph.call_function(torch.reshape,
+                                             (parts[1], tuple(fake_value(norm).shape)))
+                set_val(normed, fake_mode)
+        norm.replace_all_uses_with(normed)
+        graph.erase_node(norm)
+        if view is not None and not view.users:
+            graph.erase_node(view)
+        total.replace_all_uses_with(parts[0])
+        graph.erase_node(total)
+        if out is not node:
+            graph.erase_node(out)
+        graph.erase_node(node)
+        ctx.counters.add(f"fuse_norm[{name}]")
 
 
 def _is_dejavu(node: fx.Node) -> bool:
@@ -704,6 +819,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dense_gemv(gm, ctx, fused_from)
     if ctx.options.decode_attention != "never":
         decode_attention(gm, ctx, fake_mode)
+    if ctx.options.fuse_norm:
+        fuse_norms(gm, ctx, fake_mode)
     if ctx.options.workspaces:
         workspaces(gm, ctx, fake_mode)
     if ctx.options.batch_positions and not ctx.options.graph_splits:

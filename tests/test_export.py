@@ -127,3 +127,18 @@ def test_dump_dir_holds_each_pass(tiny, tmp_path, monkeypatch):
     with torch.no_grad():
         compiled(prompt())
     assert len(list((tmp_path / "by-env").iterdir())) == 5
+
+
+def test_export_of_fused_norms_has_two_outputs(tiny, tmp_path):
+    """With ``fuse_norm``, a tiny OPT's sparse layer exports its output projection and MLP as
+    ``SparseHeadOutNorm`` and ``SparseMlpNorm``, each with two outputs (the residual sum and
+    its norm), in a model the ONNX checker accepts."""
+    model = tiny("opt")
+    path, _ = _random_predictor_profile(model, tmp_path)
+    paths = dejavu_compile.export(model, tmp_path / "out", profile=str(path), fuse_norm=True)
+    proto = onnx.load(str(paths["graph.onnx"]))
+    onnx.checker.check_model(proto)
+    fused = [n for n in proto.graph.node if n.domain == ONNX_DOMAIN and n.op_type.endswith("Norm")]
+    assert sorted(n.op_type for n in fused) == ["SparseHeadOutNorm", "SparseMlpNorm"]
+    assert all(len(n.output) == 2 for n in fused)
+    assert "torch.ops.dejavu.sparse_mlp_norm" in paths["graph.py"].read_text()

@@ -616,3 +616,49 @@ def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
     want = runs["dejavu_captured_qkv_pdl"]
     torch.testing.assert_close(runs["dejavu_captured_qkv_early_pdl"], want,
                                atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
+    """Option ``fuse_norm`` (bench mode ``dejavu_captured_qkv_norm_pdl``) in the captured
+    lookahead step of a small OPT with lazy K/V: each sparse layer's output projection and MLP
+    launch their kernels with the norm (``NORM``) on their workspaces, the MLP still joining
+    its predictor's side stream, and the replayed step gives the logits of the step without the
+    option, to the tolerance of fp16 sums added in another order."""
+    from dejavu_compile.kernels import heads, sparse_mlp
+
+    from dejavu_compile.bench import kernel_switches, random_profile
+
+    model = _small_opt(6)
+    path = tmp_path / "ahead.yaml"
+    profile = random_profile(model, 0.25, 0.5, 64, path, lookahead=True)
+    _ranked_by_bias(path)
+    options = {"profile": profile, "cudagraphs": False, "lazy_kv": True, "fuse_qkv": True}
+    normed = []
+    for module in (sparse_mlp, heads.tc):
+        real = module.launch
+
+        def spy(kernel, grid, *args, real=real, **meta):
+            if kernel in (sparse_mlp._down_kernel, heads._head_out_kernel):
+                normed.append((kernel.fn.__name__, meta.get("NORM")))
+            return real(kernel, grid, *args, **meta)
+
+        monkeypatch.setattr(module, "launch", spy)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(8))
+    runs = {}
+    for mode, fuse in (("dejavu_captured_qkv_pdl", False), ("dejavu_captured_qkv_norm_pdl", True)):
+        torch._dynamo.reset()
+        normed.clear()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={**options, "fuse_norm": fuse})
+        with kernel_switches(mode):
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
+                                                24)
+        assert {name for name, _ in normed} == {"_down_kernel", "_head_out_kernel"}
+        assert {norm for _, norm in normed} == {fuse}, (mode, set(normed))
+    counters = dejavu_compile.report(model).counters
+    assert counters.get("fuse_norm[sparse_mlp]", 0) > 0 and counters.get("lookahead[mlp]", 0) > 0
+    want = runs["dejavu_captured_qkv_pdl"]
+    torch.testing.assert_close(runs["dejavu_captured_qkv_norm_pdl"], want,
+                               atol=2e-2 * want.abs().max().item(), rtol=2e-2)

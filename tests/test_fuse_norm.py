@@ -1,0 +1,294 @@
+"""Option ``fuse_norm``: a sparse op's residual add and layer norm finished by its own reducing
+kernel (``ops.sparse_mlp_norm``, ``ops.sparse_head_out_norm``, ``passes/lower.py::fuse_norms``,
+``kernels/triton_common.py::finish_norm_last``). Kernels on CPU through TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dejavu_compile.kernels import ops
+from dejavu_compile.kernels import reference as ref
+
+from dejavu_compile import bench
+
+from .conftest import deterministic_algorithms
+from .test_backend import _capture, _dejavu_nodes
+from .test_kernels import DEVICE, TOL, _mlp_case, _rand, _ref64, _selection
+
+heads = pytest.importorskip("dejavu_compile.kernels.heads")
+sparse_mlp = pytest.importorskip("dejavu_compile.kernels.sparse_mlp")
+tc = pytest.importorskip("dejavu_compile.kernels.triton_common")
+
+EPS = 1e-5
+
+
+def _norm_case(batch: int, d_out: int, dtype, bias: bool):
+    """A residual far from zero mean (the norm's statistics must not cancel), weight, bias."""
+    residual = _rand(batch, 1, d_out, dtype=dtype, seed=11) * 6 + 3
+    weight = _rand(d_out, dtype=dtype, seed=12) + 1
+    return residual, weight, _rand(d_out, dtype=dtype, seed=13) if bias else None
+
+
+def _check(got, y64, residual, weight, bias, dtype):
+    """The sum against the fp64 reference; the norm against the layer norm of the kernel's own
+    sum (the sum is rounded to the dtype before the norm, as the graph it replaces did)."""
+    h, normed = got
+    assert h.shape == residual.shape and normed.shape == residual.shape
+    want_h = residual.double() + y64.reshape(residual.shape)
+    torch.testing.assert_close(h.double(), want_h, **TOL[dtype])
+    want_n = torch.nn.functional.layer_norm(
+        h.double(), (h.shape[-1],), weight.double(), None if bias is None else bias.double(), EPS)
+    torch.testing.assert_close(normed.double(), want_n, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sparse_mlp_norm_kernel(dtype, gated, density, batch):
+    """The down kernel finishes the sum and its norm: on a fresh buffer, and three calls on a
+    workspace (``workspace_numel`` + ``norm_numel``) with another input in between, each equal
+    to the reference and the workspace left zero; a workspace without the norm's values is
+    refused."""
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, gated, density, batch)
+    act = "silu" if gated else "relu"
+    k, d_out = idx.shape[-1], w2_t.shape[1]
+    residual, weight, bias = _norm_case(batch, d_out, dtype, bias=not gated)
+    norm = (residual, weight, bias, EPS)
+    y64 = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
+    _check(sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, norm=norm), y64,
+           residual, weight, bias, dtype)
+    plain = ops.workspace_numel(batch, d_out, k, gated)
+    workspace = torch.zeros(plain + ops.norm_numel(batch, d_out), device=DEVICE)
+    for call in range(3):
+        if call == 1:
+            x = _rand(batch, 1, x.shape[-1], dtype=dtype, seed=9)
+            y64 = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, act)
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace,
+                                    norm=norm)
+        _check(got, y64, residual, weight, bias, dtype)
+        assert not workspace.any(), workspace.nonzero().flatten()[:8]
+    with pytest.raises(ValueError, match="norm_numel"):
+        sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace[:plain],
+                              norm=norm)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("n_heads,head_dim,k", [(5, 8, 1), (6, 12, 3), (4, 16, 4)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sparse_head_out_norm_kernel(dtype, n_heads, head_dim, k, bias, batch):
+    """The output projection's kernel finishes the sum and its norm, on a fresh buffer and twice
+    on a workspace it leaves zero."""
+    d = 23
+    attn = _rand(batch, 1, n_heads * head_dim, dtype=dtype, seed=3)
+    wo_t = _rand(n_heads * head_dim, d, dtype=dtype, seed=4)
+    bo = _rand(d, dtype=dtype, seed=5) if bias else None
+    idx = _selection(batch, n_heads, k).view(batch, 1, k)
+    residual, weight, nb = _norm_case(batch, d, dtype, bias)
+    y64 = _ref64(ref.sparse_head_out, attn, idx, wo_t, bo, head_dim)
+    norm = (residual, weight, nb, EPS)
+    _check(heads.sparse_head_out(attn, idx, wo_t, bo, head_dim, norm=norm), y64, residual,
+           weight, nb, dtype)
+    workspace = torch.zeros(ops.workspace_numel(batch, d) + ops.norm_numel(batch, d),
+                            device=DEVICE)
+    for _ in range(2):
+        got = heads.sparse_head_out(attn, idx, wo_t, bo, head_dim, workspace=workspace, norm=norm)
+        _check(got, y64, residual, weight, nb, dtype)
+        assert not workspace.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_ops_without_the_fused_finish(dtype):
+    """A batch's union selection, deterministic mode and the output projection on its original
+    layout have no fused finish: the ops add and normalise after, with the same results."""
+    batch = 3
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, False, 0.3, batch)
+    residual, weight, bias = _norm_case(batch, w2_t.shape[1], dtype, bias=True)
+    norm = (residual, weight, bias, EPS)
+    y64 = _ref64(ref.sparse_mlp, x, idx, w1, b1, None, w2_t, b2, "relu", True)
+    _check(sparse_mlp.sparse_mlp(x, idx, w1, b1, None, w2_t, b2, "relu", True, norm=norm), y64,
+           residual, weight, bias, dtype)
+    y64 = _ref64(ref.sparse_mlp, x, idx, w1, b1, None, w2_t, b2, "relu")
+    with deterministic_algorithms():
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, None, w2_t, b2, "relu", norm=norm)
+    _check(got, y64, residual, weight, bias, dtype)
+    n_heads, head_dim, d = 6, 12, 23
+    attn = _rand(batch, 1, n_heads * head_dim, dtype=dtype, seed=3)
+    wo = _rand(d, n_heads * head_dim, dtype=dtype, seed=4)  # original layout: wo.t() read
+    hidx = _selection(batch, n_heads, 3).view(batch, 1, 3)
+    residual, weight, bias = _norm_case(batch, d, dtype, bias=True)
+    assert heads.reads_columns(wo.t(), head_dim)
+    _check(heads.sparse_head_out(attn, hidx, wo.t(), None, head_dim,
+                                 norm=(residual, weight, bias, EPS)),
+           _ref64(ref.sparse_head_out, attn, hidx, wo.t(), None, head_dim), residual, weight,
+           bias, dtype)
+
+
+def test_norm_ops_refuse_what_does_not_fit():
+    """A residual of another shape or dtype, or a norm weight of another width: clear errors,
+    from the kernels and from the op's CPU implementation alike."""
+    dtype = torch.float16
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, False, 0.3, 1)
+    residual, weight, bias = _norm_case(1, w2_t.shape[1], dtype, bias=True)
+    bad = [((residual[..., :-1], weight, bias, EPS), "residual"),
+           ((residual.float(), weight, bias, EPS), "residual"),
+           ((residual, weight[:-1], bias, EPS), "weight")]
+    for norm, what in bad:
+        with pytest.raises(ValueError, match=what):
+            sparse_mlp.sparse_mlp(x, idx, w1, b1, None, w2_t, b2, "relu", norm=norm)
+    with pytest.raises(ValueError, match="residual"):
+        ops.sparse_mlp_norm(x, idx, w1, b1, None, w2_t, b2, "relu", residual[..., :-1], weight,
+                            bias, EPS)
+    with pytest.raises(ValueError, match="residual"):
+        heads.sparse_head_out(_rand(1, 1, 24, dtype=dtype, seed=3), _selection(1, 2, 1).view(1, 1, 1),
+                              _rand(24, 23, dtype=dtype, seed=4), None, 12,
+                              norm=(_rand(1, 1, 22, dtype=dtype, seed=5),
+                                    _rand(23, dtype=dtype, seed=6), None, EPS))
+
+
+def _decode(model, options, ids, steps=4):
+    backend, graphs = _capture(options)
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend=backend)
+    with torch.no_grad():
+        out = forward(input_ids=ids, use_cache=True)
+        logits = [out.logits[:, -1:]]
+        for _ in range(steps):
+            out = forward(input_ids=logits[-1].argmax(-1), past_key_values=out.past_key_values,
+                          use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, 1), graphs
+
+
+def test_the_pass_fuses_opt_norms_and_keeps_the_logits(tmp_path):
+    """A 3-layer OPT (layer 0 dense, random predictors, lookahead): with ``fuse_norm`` each
+    sparse layer's output projection and MLP become the norm ops, their residual adds and
+    layer norms gone from the decode graph (the next layer's and the final one included);
+    the dense layer keeps its own; the logits are those without the option."""
+    import transformers as tf
+
+    cfg = tf.OPTConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       max_position_embeddings=256, ffn_dim=96, word_embed_proj_dim=64)
+    torch.manual_seed(0)
+    model = tf.OPTForCausalLM(cfg).eval()
+    profile = bench.random_profile(model, 0.5, 0.5, 8, tmp_path / "p.yaml", lookahead=True)
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for fuse in (False, True):
+        runs[fuse], graphs = _decode(model, {"profile": profile, "fuse_norm": fuse}, ids)
+        gm, ctx = graphs[-1]
+        names = _dejavu_nodes(gm)
+        norms = [n for n in gm.graph.nodes if n.target is torch.nn.functional.layer_norm]
+        if fuse:
+            assert ctx.counters.values["fuse_norm[sparse_mlp]"] == 2
+            assert ctx.counters.values["fuse_norm[sparse_head_out]"] == 2
+            assert names.count("dejavu::sparse_mlp_norm") == 2
+            assert names.count("dejavu::sparse_head_out_norm") == 2
+            assert "dejavu::sparse_mlp" not in names and "dejavu::sparse_head_out" not in names
+            assert len(norms) == 3  # layer 0's two and layer 1's first, read by dense layer 0
+        else:
+            assert not any(k.startswith("fuse_norm") for k in ctx.counters.values)
+            assert len(norms) == 7
+    torch.testing.assert_close(runs[True], runs[False], atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norms_are_left_alone(tiny):
+    """Llama's RMS norm is no layer norm: nothing is fused, and each sparse op is counted as
+    skipped; the logits are those without the option."""
+    model = tiny("llama")
+    options = {"selector": "oracle", "mlp_density": 0.5, "attention_density": 0.5}
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    plain, _ = _decode(model, options, ids, 2)
+    fused, graphs = _decode(model, {**options, "fuse_norm": True}, ids, 2)
+    counters = graphs[-1][1].counters.values
+    assert not any(k.startswith("fuse_norm[") for k in counters)
+    assert counters["fuse_norm_skipped"] == 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_shipped_keys_match_the_fused_calls(monkeypatch):
+    """The shipped H200 configs are keyed by the tuning arguments and every tensor argument's
+    dtype: the down and output-projection kernels' keys must have the dtypes of an fp16 call
+    with the fused finish, with or without the norm (the norm's pointers stand in for
+    themselves without it), or every such call would tune again on the GPU."""
+    calls = []
+    for module in (sparse_mlp, heads):
+        real = module.launch if module is sparse_mlp else module.tc.launch
+
+        def spy(kernel, grid, *args, real=real, **meta):
+            calls.append((kernel, args))
+            return real(kernel, grid, *args, **meta)
+
+        if module is sparse_mlp:
+            monkeypatch.setattr(sparse_mlp, "launch", spy)
+        else:
+            monkeypatch.setattr(heads.tc, "launch", spy)
+    dtype = torch.float16
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, False, 0.3, 1)
+    d_out, k = w2_t.shape[1], idx.shape[-1]
+    residual, weight, bias = _norm_case(1, d_out, dtype, bias=True)
+    attn = _rand(1, 1, 24, dtype=dtype, seed=3)
+    hidx, wo_t = _selection(1, 2, 1).view(1, 1, 1), _rand(24, d_out, dtype=dtype, seed=4)
+    for norm in (None, (residual, weight, bias, EPS)):
+        extra = ops.norm_numel(1, d_out) if norm else 0
+        space = torch.zeros(ops.workspace_numel(1, d_out, k) + extra, device=DEVICE)
+        sparse_mlp.sparse_mlp(x, idx, w1, b1, None, w2_t, b2, "relu", workspace=space, norm=norm)
+        space = torch.zeros(ops.workspace_numel(1, d_out) + extra, device=DEVICE)
+        heads.sparse_head_out(attn, hidx, wo_t, b2, 12, workspace=space, norm=norm)
+    data = json.loads((Path(tc.__file__).parent / "tuned" / "NVIDIA_H200.json").read_text())
+    for kernel, name in ((sparse_mlp._down_kernel, "sparse_mlp._down_kernel"),
+                         (heads._head_out_kernel, "heads._head_out_kernel")):
+        tails = {tuple(str(a.dtype) for a in args if hasattr(a, "dtype"))
+                 for fn, args in calls if fn is kernel}
+        assert len(tails) == 1, tails  # the same dtypes with and without the norm
+        (tail,) = tails
+        keys = [e["key"] for e in data["tuned"][name]]
+        fp16 = [key for key in keys if "torch.float16" in key]
+        assert fp16 and all(tuple(key[len(kernel.keys):]) == tail for key in fp16), (tail, keys)
+
+
+def test_norm_finish_compiles_for_hopper(tmp_path):
+    """The interpreter runs the kernels' Python, not Triton's compiler: compile the down and
+    output-projection kernels with the fused norm for an sm_90 GPU (Triton's own ptxas, no GPU
+    needed), at OPT-13B's row of 5120 (five chunks of 1024) and the shipped tiles."""
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dejavu_compile.kernels import heads, sparse_mlp
+norm = {"res_ptr": "*fp16", "nrm_ptr": "*fp16", "nw_ptr": "*fp16", "nb_ptr": "*fp16",
+        "stats_ptr": "*fp32", "rcnt_ptr": "*i32", "eps": "fp32"}
+sizes = dict(NORM=True, HAS_NB=True, BLOCK_T=512, CHUNK=1024, CHUNKS=5, PDL=True, CLEAN=True,
+             FUSED=True, ATOMIC=True, stride_w2o=1, stride_wo=1)
+cases = [(sparse_mlp._down_kernel.fn,
+          {"pre_ptr": "*fp32", "up_ptr": "*fp32", "idx_ptr": "*i64", "b1_ptr": "*fp16",
+           "w2t_ptr": "*fp16", "out_ptr": "*fp32", "fin_ptr": "*fp16", "b2_ptr": "*fp16",
+           "cnt_ptr": "*i32", "clean_ptr": "*i32"},
+          dict(ACT=0, HAS_B1=True, GATED=False, HAS_B2=True, BLOCK_N=16, BLOCK_D=512, TILES=4)),
+         (heads._head_out_kernel.fn,
+          {"a_ptr": "*fp16", "idx_ptr": "*i64", "w_ptr": "*fp16", "out_ptr": "*fp32",
+           "fin_ptr": "*fp16", "b_ptr": "*fp16", "cnt_ptr": "*i32"},
+          dict(HAS_B=True, EARLY=False, BLOCK_N=64, BLOCK_D=128, TILES=4))]
+for fn, ptrs, const in cases:
+    const = {k: v for k, v in {**sizes, **const}.items() if k in fn.arg_names}
+    sig = {a: {**ptrs, **norm}.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn, sig, constexprs=const),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(fn.__name__, ptx.count("atom.global"), ptx.count("ld.global.cg"))
+"""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert [r[0] for r in rows] == ["_down_kernel", "_head_out_kernel"], out.stdout
+    # the row's statistics and values are read from L2, where the other programs stored them
+    assert all(int(r[2]) > 0 for r in rows), out.stdout
