@@ -135,7 +135,7 @@ def _head_out_kernel(
     # the first tile's weights load before the wait; the activations, its output, after
     EARLY: tl.constexpr,
     NORM: tl.constexpr = False, HAS_NB: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
-    CHUNK: tl.constexpr = 1, CHUNKS: tl.constexpr = 1,
+    BLOCK_ROW: tl.constexpr = 1,
 ):
     row, pid, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -148,6 +148,8 @@ def _head_out_kernel(
                                    stride_idx, stride_wn, stride_wo, BLOCK_N)
         wait_inputs(PDL)
         acc = _out_add(acc, a_ptr + row * stride_a, wrows, mask, w)
+    if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
+        res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
     for t in range(1 if EARLY else 0, TILES):
         wrows, mask, w = _out_tile(idx_ptr, w_ptr, row, pid * TILES + t, J, HEAD_DIM, offs_o,
                                    mask_o, stride_idx, stride_wn, stride_wo, BLOCK_N)
@@ -157,10 +159,10 @@ def _head_out_kernel(
     if FUSED and NORM:
         tc.finish_norm_last(out_ptr + row * stride_out + offs_o, b_ptr + offs_o, offs_o, mask_o,
                             cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1),
-                            res_ptr + row * stride_out, fin_ptr + row * stride_out,
+                            res, fin_ptr + row * stride_out,
                             nrm_ptr + row * stride_out, nw_ptr, nb_ptr,
                             stats_ptr + row * stride_stats, rcnt_ptr + row, DOUT, eps, HAS_B,
-                            HAS_NB, CLEAN, BLOCK_D, BLOCK_T, CHUNK, CHUNKS)
+                            HAS_NB, CLEAN, BLOCK_D, BLOCK_T, BLOCK_ROW)
     elif FUSED:
         tc.finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
                        b_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,

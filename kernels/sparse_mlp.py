@@ -237,7 +237,7 @@ def _down_kernel(
     CLEAN: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
     NORM: tl.constexpr = False, HAS_NB: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
-    CHUNK: tl.constexpr = 1, CHUNKS: tl.constexpr = 1,
+    BLOCK_ROW: tl.constexpr = 1,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -249,6 +249,8 @@ def _down_kernel(
     offs_n = pid_n * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o)
     wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
+    if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
+        res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
     # products summed over the tiles in a 2-d accumulator and reduced over neurons once at the
     # end; a loop after the first tile (not unrolled), which Triton software-pipelines: its
     # loads run ahead
@@ -265,10 +267,10 @@ def _down_kernel(
     if FUSED and NORM:
         finish_norm_last(out_ptr + row * stride_out + offs_o, b2_ptr + offs_o, offs_o, mask_o,
                          cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1),
-                         res_ptr + row * stride_out, fin_ptr + row * stride_out,
+                         res, fin_ptr + row * stride_out,
                          nrm_ptr + row * stride_out, nw_ptr, nb_ptr,
                          stats_ptr + row * stride_stats, rcnt_ptr + row, DOUT, eps, HAS_B2,
-                         HAS_NB, CLEAN, BLOCK_D, BLOCK_T, CHUNK, CHUNKS)
+                         HAS_NB, CLEAN, BLOCK_D, BLOCK_T, BLOCK_ROW)
     elif FUSED:
         finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
                     b2_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,

@@ -283,29 +283,31 @@ def finish_last(acc_ptrs, out_ptrs, b_ptrs, mask, cnt_ptr, n_split, HAS_B: tl.co
 
 
 @triton.jit
-def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res_row, h_row, n_row,
+def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res, h_row, n_row,
                      nw_ptr, nb_ptr, stats_row, rcnt_ptr, DOUT, eps, HAS_B: tl.constexpr,
                      HAS_NB: tl.constexpr, CLEAN: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_ROW: tl.constexpr):
     """``finish_last`` followed by the residual add and the layer norm that read its output
     (``ops.sparse_mlp_norm``): the last program of an output tile (columns ``offs`` of the
-    row) stores ``h = residual + round(sums + b)`` at ``h_row``, and the tile's sum and sum of
-    squared deviations from its own mean at ``stats_row``; the last of the row's tiles
-    (``rcnt_ptr`` counts them, and is left zero) merges the tiles' statistics (Chan's
-    formula: the row's mean and variance, no cancellation of a one-pass E[h^2] - E[h]^2) and
-    stores ``(h - mean) / sqrt(var + eps) * w (+ b)`` for the whole row at ``n_row``, in
-    ``CHUNKS`` chunks of ``CHUNK`` columns. One kernel fewer in the step than a layer norm
-    launched after; the row's values are read back from L2 (``.cg``), where the other
-    programs' stores went before their count (release) and after this one's (acquire). The
-    statistics and the row's counter are left zero."""
+    row) stores ``h = res + round(sums + b)`` at ``h_row`` (``res``: the residual's values
+    at ``offs``, which the kernel loads right after its wait, so that no load of them waits
+    here), and the tile's sum and sum of squared deviations from its own mean at
+    ``stats_row``; the last of the row's tiles (``rcnt_ptr`` counts them, and is left zero)
+    merges the tiles' statistics (Chan's formula: the row's mean and variance, no cancellation
+    of a one-pass E[h^2] - E[h]^2) and stores ``(h - mean) / sqrt(var + eps) * w (+ b)`` for
+    the whole row at ``n_row``. That program loads the statistics, the row (``BLOCK_ROW``
+    columns at once) and the norm's weights all before it uses any: one wait on memory, not
+    one a chunk, which a loop of loads and stores to memory the compiler cannot tell apart
+    would cost. The row's values are read from L2 (``.cg``), where the other programs stored
+    them before their count (release) and after this one's (acquire). The statistics and the
+    row's counter are left zero. One kernel fewer in the step than a layer norm after."""
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == n_split - 1:
         v = _biased_sums(acc_ptrs, b_ptrs, mask, HAS_B)
         # the op's output rounded to its dtype, then the residual add rounded again: what the
         # graph computed before the rewrite
         y = v.to(h_row.dtype.element_ty).to(tl.float32)
-        res = tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
-        h = (res + y).to(h_row.dtype.element_ty)
+        h = (res.to(tl.float32) + y).to(h_row.dtype.element_ty)
         tl.store(h_row + offs, h, mask=mask)
         hf = tl.where(mask, h.to(tl.float32), 0.0)
         total = tl.sum(hf, 0)
@@ -321,8 +323,14 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res_row, h_
         if tl.atomic_add(rcnt_ptr, 1, sem="acq_rel") == tiles - 1:
             t = tl.arange(0, BLOCK_T)
             mt = t < tiles
+            cols = tl.arange(0, BLOCK_ROW)
+            mc = cols < DOUT
             sums = tl.load(stats_row + 2 * t, mask=mt, other=0.0, cache_modifier=".cg")
             m2 = tl.load(stats_row + 2 * t + 1, mask=mt, other=0.0, cache_modifier=".cg")
+            x = tl.load(h_row + cols, mask=mc, other=0.0, cache_modifier=".cg")
+            w = tl.load(nw_ptr + cols, mask=mc, other=0.0)
+            if HAS_NB:
+                nb = tl.load(nb_ptr + cols, mask=mc, other=0.0)
             # read: left zero, like the rest of a workspace
             tl.store(stats_row + 2 * t, tl.zeros([BLOCK_T], dtype=tl.float32), mask=mt)
             tl.store(stats_row + 2 * t + 1, tl.zeros([BLOCK_T], dtype=tl.float32), mask=mt)
@@ -330,25 +338,18 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res_row, h_
             mean = tl.sum(sums, 0) / DOUT
             gap = tl.where(mt, sums / width - mean, 0.0)
             var = (tl.sum(m2, 0) + tl.sum(width * gap * gap, 0)) / DOUT
-            rstd = 1.0 / tl.sqrt(var + eps)
-            for c in tl.static_range(CHUNKS):
-                cols = c * CHUNK + tl.arange(0, CHUNK)
-                mc = cols < DOUT
-                x = tl.load(h_row + cols, mask=mc, other=0.0, cache_modifier=".cg")
-                out = (x.to(tl.float32) - mean) * rstd \
-                    * tl.load(nw_ptr + cols, mask=mc, other=0.0).to(tl.float32)
-                if HAS_NB:
-                    out += tl.load(nb_ptr + cols, mask=mc, other=0.0).to(tl.float32)
-                tl.store(n_row + cols, out.to(n_row.dtype.element_ty), mask=mc)
+            out = (x.to(tl.float32) - mean) * (1.0 / tl.sqrt(var + eps)) * w.to(tl.float32)
+            if HAS_NB:
+                out += nb.to(tl.float32)
+            tl.store(n_row + cols, out.to(n_row.dtype.element_ty), mask=mc)
             tl.atomic_xchg(rcnt_ptr, 0)
 
 
 def norm_meta(d_out: int) -> dict:
-    """``finish_norm_last``'s sizes for rows of ``d_out``: the tiles' statistics in one load
-    (at most one tile per ``COUNT_BLOCK`` columns) and the row in chunks of at most 1024."""
-    chunk = min(1024, triton.next_power_of_2(d_out))
-    return {"BLOCK_T": triton.next_power_of_2(triton.cdiv(d_out, COUNT_BLOCK)), "CHUNK": chunk,
-            "CHUNKS": triton.cdiv(d_out, chunk)}
+    """``finish_norm_last``'s sizes for rows of ``d_out``: the tiles' statistics (at most one
+    tile per ``COUNT_BLOCK`` columns) and the row, each in one load."""
+    return {"BLOCK_T": triton.next_power_of_2(triton.cdiv(d_out, COUNT_BLOCK)),
+            "BLOCK_ROW": triton.next_power_of_2(d_out)}
 
 
 def norm_buffers(n_rows: int, d_out: int, device, workspace: torch.Tensor | None = None,

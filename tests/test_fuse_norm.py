@@ -254,7 +254,7 @@ def test_shipped_keys_match_the_fused_calls(monkeypatch):
 def test_norm_finish_compiles_for_hopper(tmp_path):
     """The interpreter runs the kernels' Python, not Triton's compiler: compile the down and
     output-projection kernels with the fused norm for an sm_90 GPU (Triton's own ptxas, no GPU
-    needed), at OPT-13B's row of 5120 (five chunks of 1024) and the shipped tiles."""
+    needed), at OPT-13B's row of 5120 and the shipped tiles."""
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -262,7 +262,7 @@ from triton.compiler import ASTSource
 from dejavu_compile.kernels import heads, sparse_mlp
 norm = {"res_ptr": "*fp16", "nrm_ptr": "*fp16", "nw_ptr": "*fp16", "nb_ptr": "*fp16",
         "stats_ptr": "*fp32", "rcnt_ptr": "*i32", "eps": "fp32"}
-sizes = dict(NORM=True, HAS_NB=True, BLOCK_T=512, CHUNK=1024, CHUNKS=5, PDL=True, CLEAN=True,
+sizes = dict(NORM=True, HAS_NB=True, BLOCK_T=512, BLOCK_ROW=8192, PDL=True, CLEAN=True,
              FUSED=True, ATOMIC=True, stride_w2o=1, stride_wo=1)
 cases = [(sparse_mlp._down_kernel.fn,
           {"pre_ptr": "*fp32", "up_ptr": "*fp32", "idx_ptr": "*i64", "b1_ptr": "*fp16",
