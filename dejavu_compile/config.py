@@ -212,8 +212,11 @@ class DejavuOptions:
         for each such norm, 78 of the 80 layer norms of OPT-13B's step at the operating point.
         The norm's mean and variance are summed in another order than Inductor's, so the
         outputs can differ in their last bits; the CPU reference computes the same ops as the
-        graph it replaces. Off by default until it is measured on the GPU (bench mode
-        ``dejavu_captured_qkv_norm_pdl``).
+        graph it replaces. Off by default: on an H200 (BENCHMARKS.md, thirty-sixth session,
+        bench mode ``dejavu_captured_qkv_norm_pdl``) OPT-13B's step ran 3.88 and 3.74 ms with
+        it against 3.63 and 3.67 without, side by side: the 78 norm kernels (204-206 us a
+        step) went, but the finish, a chain of memory round trips (count, sums, stores,
+        count, row), added 1.9-5.8 us to each call of the two kernels.
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
