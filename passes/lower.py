@@ -673,7 +673,7 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             ctx.counters.add("fuse_norm_skipped")
             continue
         residual = total.args[1] if total.args[0] is out else total.args[0]
-        found = _layer_norm_of(total)
+        found = _layer_norm_of(total) if residual is not out else None  # (not out + out)
         res, val = fake_value(residual) if isinstance(residual, fx.Node) else None, \
             fake_value(out)
         if found is None or not isinstance(res, torch.Tensor) or res.shape != val.shape \
