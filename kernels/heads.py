@@ -386,14 +386,9 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     else:
         fin_arg = fin if fin is not None else parts
         cnt_arg = cnt if cnt is not None else parts
-        # without a norm its pointers repeat others of the same dtypes: one tuning key for both
-        res, nrm, nw, nb, stats, rcnt, eps = fin_arg, fin_arg, fin_arg, None, parts, cnt_arg, 0.0
-        if norm is not None:
-            stats, rcnt = tc.norm_buffers(rows.shape[0], d_out, attn.device,
-                                          workspace if clean else None,
-                                          ops.workspace_numel(rows.shape[0], d_out))
-            res, nrm = norm[0].reshape(rows.shape[0], d_out).contiguous(), torch.empty_like(fin)
-            nw, nb, eps = norm[1], norm[2], float(norm[3])
+        res, nrm, nw, nb, stats, rcnt, eps = tc.norm_args(
+            norm, fin_arg, parts, cnt_arg, workspace if clean else None,
+            ops.workspace_numel(rows.shape[0], d_out))
         tc.launch(_head_out_kernel,
                   lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
                              triton.cdiv(d_out, m["BLOCK_D"])),

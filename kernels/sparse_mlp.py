@@ -69,7 +69,7 @@ from .triton_common import (
     ieee,
     launch,
     load_rows,
-    norm_buffers,
+    norm_args,
     norm_meta,
     partials,
     reduce_configs,
@@ -434,9 +434,8 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
     (per-row ids, atomics) the kernel finishes its outputs into it, adding ``b2``, counting in
     ``cnt`` (``triton_common.finish_last``); with ``clean`` ([R, k] int32 zeros) it leaves the
     pre-activations, sums and counters zero (a workspace, ``workspace_targets``). ``norm``
-    (with ``fin``): (residual [R, d_out], normalised output [R, d_out], the norm's weight and
-    bias, statistics, row counters, eps) of ``triton_common.finish_norm_last``, ``fin`` then
-    receiving the residual sum."""
+    (with ``fin``): ``triton_common.norm_args`` of a norm, for ``finish_norm_last``, ``fin``
+    then receiving the residual sum."""
     k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
     if shared(sel, n_rows):
         launch(_down_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -451,9 +450,7 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
     else:
         fin_arg = fin if fin is not None else parts
         cnt_arg = cnt if cnt is not None else parts
-        # without a norm its pointers repeat others of the same dtypes: one tuning key for both
-        res, nrm, nw, nb, stats, rcnt, eps = norm or (fin_arg, fin_arg, fin_arg, None, parts,
-                                                      cnt_arg, 0.0)
+        res, nrm, nw, nb, stats, rcnt, eps = norm or norm_args(None, fin_arg, parts, cnt_arg)
         launch(_down_kernel, lambda m: (n_rows, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                                         triton.cdiv(d_out, m["BLOCK_D"])),
                pre[0], pre[-1], sel, b1 if b1 is not None else w2_t, w2_t, parts[0],
@@ -495,12 +492,12 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     k = sel.shape[1]
     det, gated = deterministic(), w_up is not None
     n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
+    n_pre = 2 if gated else 1
     if norm is not None and (stores_rows() or not fuses_finish(det, union_ids)):
         return add_norm(sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead),
                         *norm)
     if stores_rows() and fuses_finish(det, union_ids):
         # no fill: the up kernel stores the pre-activations and zeroes the sums and counters
-        n_pre = 2 if gated else 1
         pre, out, cnt, fin = fused_targets(n_rows, d_out, n_pre * n_rows * k, x.dtype, x.device,
                                            zeroed=False)
         pre, zero = pre.view(n_pre, n_rows, k), out.numel() + cnt.numel()
@@ -510,17 +507,11 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
                (w_up if gated else w1).stride(0), pre.stride(1), GATED=gated)
         _launch_down(pre, sel, b1, w2_t, out[None], act, gated, det, fin, b2, cnt)
         return fin.reshape(*x.shape[:-1], d_out)
-    n_pre = 2 if gated else 1
     pre, out, cnt, fin, clean = _targets(det, n_pre, n_rows, k, d, d_out, x.device,
                                          x.dtype, union=union_ids, workspace=workspace)
-    fused = None
-    if norm is not None:  # (fin: the fused finish, which norm needs, is checked above)
-        residual, norm_w, norm_b, eps = norm
-        stats, rcnt = norm_buffers(n_rows, d_out, x.device, workspace,
-                                   workspace_numel(n_rows, d_out, k, gated))
-        normed = torch.empty_like(fin)
-        fused = (residual.reshape(n_rows, d_out).contiguous(), normed, norm_w, norm_b, stats,
-                 rcnt, float(eps))
+    # (fin: the fused finish, which a norm needs, is checked above)
+    fused = None if norm is None else norm_args(norm, fin, out[0], cnt, workspace,
+                                                workspace_numel(n_rows, d_out, k, gated))
     # on a workspace no fill runs: the kernel before the up kernel is another op's
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
                after=clean is None, early=ahead and early_ids())
@@ -528,7 +519,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
                  fused)
     if fused is not None:
         shape = norm[0].shape
-        return fin.reshape(shape), normed.reshape(shape)
+        return fin.reshape(shape), fused[1].reshape(shape)
     if fin is None:
         fin = finish(total(out, det), b2, x.dtype)
     return fin.reshape(*x.shape[:-1], d_out)

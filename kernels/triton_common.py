@@ -370,6 +370,23 @@ def norm_buffers(n_rows: int, d_out: int, device, workspace: torch.Tensor | None
     return stats, buf[at + n_rows * width: at + need].view(torch.int32)
 
 
+def norm_args(norm, fin: torch.Tensor, parts: torch.Tensor, cnt: torch.Tensor,
+              workspace: torch.Tensor | None = None, at: int = 0) -> tuple:
+    """The norm arguments of a reducing kernel that finishes into ``fin`` [R, d_out] with
+    ``finish_norm_last``: (residual [R, d_out], the normalised output [R, d_out], the norm's
+    weight, its bias or None, statistics, row counters, eps) for ``norm`` = (residual, weight,
+    bias or None, eps), the statistics and counters from ``norm_buffers`` (``workspace`` from
+    ``at``, else a new buffer). Without a norm, the kernel's own ``fin``, sums (``parts``) and
+    counters (``cnt``) stand in for tensors of the same dtypes: one tuning key for both."""
+    if norm is None:
+        return fin, fin, fin, None, parts, cnt, 0.0
+    residual, norm_w, norm_b, eps = norm
+    n_rows, d_out = fin.shape
+    stats, rcnt = norm_buffers(n_rows, d_out, fin.device, workspace, at)
+    return (residual.reshape(n_rows, d_out).contiguous(), torch.empty_like(fin), norm_w, norm_b,
+            stats, rcnt, float(eps))
+
+
 @triton.jit
 def apply_act(h, ACT: tl.constexpr):
     """The MLP activation ``ACT`` (see ``ACT_CODES``) on fp32 ``h``."""
