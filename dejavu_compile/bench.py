@@ -756,7 +756,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl",
          "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
          "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl",
-         "dejavu_captured_qkv_norm_pdl")
+         "dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
+         "dejavu_captured_qkv_normm_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -861,6 +862,13 @@ _DEJAVU_MODES = {
     # output projection done by that op's reducing kernel (option fuse_norm)
     "dejavu_captured_qkv_norm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "fuse_norm": True}),
+    # dejavu_captured_qkv_norm_pdl with each such norm in an add-norm launch of its own after
+    # the op (triton_common.NORM_FINISH_ENV "kernel"), and with the MLP's in its down kernel
+    # and the output projection's in such a launch ("mixed"; kernel_switches)
+    "dejavu_captured_qkv_normk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                 "fuse_norm": True}),
+    "dejavu_captured_qkv_normm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                 "fuse_norm": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
@@ -879,16 +887,28 @@ def kernel_switches(mode: str):
     ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
     ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
     attention's output projection load their ids and first weights before their wait) 1 for
-    the modes named ``*_early_pdl``,
+    the modes named ``*_early_pdl``, ``DEJAVU_NORM_FINISH`` (where a fused norm is computed)
+    "kernel" for ``dejavu_captured_qkv_normk_pdl`` and "mixed" for
+    ``dejavu_captured_qkv_normm_pdl``,
     each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
-    from dejavu_compile.kernels.triton_common import EARLY_IDS_ENV, PDL_ENV, STORE_ROWS_ENV
+    from dejavu_compile.kernels.triton_common import (
+        EARLY_IDS_ENV,
+        NORM_FINISH_ENV,
+        PDL_ENV,
+        STORE_ROWS_ENV,
+    )
 
     with mock.patch.dict(os.environ):  # the whole environment restored afterwards
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
         os.environ.pop(STORE_ROWS_ENV, None)
         os.environ.pop(GRID_ENV, None)
         os.environ.pop(EARLY_IDS_ENV, None)
+        os.environ.pop(NORM_FINISH_ENV, None)
+        finishes = {"dejavu_captured_qkv_normk_pdl": "kernel",
+                    "dejavu_captured_qkv_normm_pdl": "mixed"}
+        if mode in finishes:
+            os.environ[NORM_FINISH_ENV] = finishes[mode]
         if mode.endswith("_early_pdl"):
             os.environ[EARLY_IDS_ENV] = "1"
         if mode == "dejavu_store":

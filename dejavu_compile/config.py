@@ -216,7 +216,10 @@ class DejavuOptions:
         bench mode ``dejavu_captured_qkv_norm_pdl``) OPT-13B's step ran 3.88 and 3.74 ms with
         it against 3.63 and 3.67 without, side by side: the 78 norm kernels (204-206 us a
         step) went, but the finish, a chain of memory round trips (count, sums, stores,
-        count, row), added 1.9-5.8 us to each call of the two kernels.
+        count, row), added 1.9-5.8 us to each call of the two kernels. With
+        ``DEJAVU_NORM_FINISH=kernel`` (``kernels/triton_common.py``) the ops instead end as
+        without the norm and one add-norm launch of ours follows, the row held in registers;
+        with ``mixed`` the MLP's norm stays in its down kernel.
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from . import ops
-from . import reference as ref
 from . import triton_common as tc
 from .triton_common import (
     add_partial,
@@ -337,7 +336,8 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     wait (``triton_common.early_ids``). With ``norm`` = (residual, weight, bias or None, eps):
     ``torch.ops.dejavu.sparse_head_out_norm``, returning (residual + output, its layer norm),
     finished by the per-row kernel itself as ``sparse_mlp.sparse_mlp``'s (``workspace`` then
-    has ``ops.norm_numel`` values more), otherwise computed after the op."""
+    has ``ops.norm_numel`` values more), otherwise (or where ``tc.norm_in_finish`` says not)
+    by one ``tc.add_norm`` launch after the op."""
     tc.check_dtype("sparse_head_out", attn, wo_t, b)
     rows = _rows(attn)
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
@@ -345,9 +345,10 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
     if norm is not None:
         tc.check_norm("sparse_head_out_norm", attn, d_out, *norm)
-        if reads_columns(wo_t, head_dim) or not tc.fuses_finish(det, shared):
-            return ref.add_norm(sparse_head_out(attn, idx, wo_t, b, head_dim, union, workspace,
-                                                early), *norm)
+        if reads_columns(wo_t, head_dim) or not tc.fuses_finish(det, shared) \
+                or not tc.norm_in_finish("head_out"):
+            return tc.add_norm(sparse_head_out(attn, idx, wo_t, b, head_dim, union, workspace,
+                                               early), *norm)
     if reads_columns(wo_t, head_dim):
         out = torch.empty(rows.shape[0], d_out, device=attn.device, dtype=attn.dtype)
         block_h = triton.next_power_of_2(head_dim)

@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from .ops import workspace_numel
-from .reference import add_norm
 from .triton_common import (
     ACT_CODES,
     REDUCE_FIXED,
@@ -51,6 +50,7 @@ from .triton_common import (
     UNION_REDUCE_FIXED,
     UNION_ROWS,
     UNION_TILE_FIXED,
+    add_norm,
     add_partial,
     add_rows,
     apply_act,
@@ -70,6 +70,7 @@ from .triton_common import (
     launch,
     load_rows,
     norm_args,
+    norm_in_finish,
     norm_meta,
     partials,
     reduce_configs,
@@ -479,7 +480,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     None, eps): ``torch.ops.dejavu.sparse_mlp_norm``, returning (residual + output, its layer
     norm), which the down kernel finishes itself with per-row ids and atomics
     (``triton_common.finish_norm_last``; ``workspace`` then has ``ops.norm_numel`` values
-    more); otherwise they are computed after the op.
+    more); otherwise, or where ``triton_common.norm_in_finish`` says not, one
+    ``triton_common.add_norm`` launch computes them after the op.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
     d, d_out = x.shape[-1], w2_t.shape[1]
@@ -493,7 +495,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     det, gated = deterministic(), w_up is not None
     n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
     n_pre = 2 if gated else 1
-    if norm is not None and (stores_rows() or not fuses_finish(det, union_ids)):
+    if norm is not None and (not norm_in_finish("mlp") or stores_rows()
+                             or not fuses_finish(det, union_ids)):
         return add_norm(sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead),
                         *norm)
     if stores_rows() and fuses_finish(det, union_ids):

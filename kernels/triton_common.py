@@ -345,6 +345,81 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res, h_row,
             tl.atomic_xchg(rcnt_ptr, 0)
 
 
+# How ``sparse_mlp_norm`` and ``sparse_head_out_norm`` finish their residual add and layer
+# norm on CUDA where the reducing kernel could (per-row ids and atomics): "last", the default,
+# in that kernel's last programs (``finish_norm_last``); "kernel", the op ends as it does
+# without the norm and one ``add_norm`` launch follows, a row in registers per program in
+# place of Inductor's fused kernel, which loops over the row twice (a row of 5120 is longer
+# than the 1024 it holds in registers); "mixed", the MLP's in the down kernel's last programs
+# and the output projection's in an ``add_norm`` launch (its kernel already spills at the
+# shipped tile, and the finish made it 5.8 us a call slower on an H200, the down kernel 1.9
+# us: BENCHMARKS.md, thirty-sixth session). ``dejavu bench`` modes
+# ``dejavu_captured_qkv_normk_pdl`` and ``dejavu_captured_qkv_normm_pdl`` set it.
+NORM_FINISH_ENV = "DEJAVU_NORM_FINISH"
+NORM_FINISHES = ("last", "kernel", "mixed")
+
+
+def norm_in_finish(op: str) -> bool:
+    """Whether the reducing kernel of ``op`` ("mlp" or "head_out") finishes a fused norm
+    itself (``NORM_FINISH_ENV``; unset is "last"), rather than an ``add_norm`` launch after
+    the op. Any other value of the variable is an error."""
+    asked = os.environ.get(NORM_FINISH_ENV, NORM_FINISHES[0])
+    if asked not in NORM_FINISHES:
+        raise ValueError(f"{NORM_FINISH_ENV}={asked!r}: set it to one of {NORM_FINISHES}")
+    return asked == "last" or (asked == "mixed" and op == "mlp")
+
+
+@triton.jit
+def _add_norm_kernel(y_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
+                     N, eps,
+                     stride_y, stride_r, stride_h, stride_n,
+                     HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # one program a row, the whole row in registers: the weight and bias load before the
+    # wait (they are no kernel's output), the row after it, then no memory until the stores
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        nb = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wait_inputs(PDL)
+    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    # the sum rounded to the rows' dtype, then normalised: what the graph computed
+    h = (r.to(tl.float32) + y.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    dev = tl.where(mask, hf - tl.sum(hf, 0) / N, 0.0)
+    out = dev * (1.0 / tl.sqrt(tl.sum(dev * dev, 0) / N + eps)) * w
+    if HAS_B:
+        out += nb
+    tl.store(n_ptr + row * stride_n + offs, out.to(n_ptr.dtype.element_ty), mask=mask)
+
+
+def add_norm(y: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+             norm_b: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.add_norm`` in one launch: y (any shape with residual's rows of d) and
+    residual [..., d] -> (h = residual + y, layer_norm(h) over d with ``norm_w`` and
+    ``norm_b``), both shaped and typed as residual. One program a row holds the row in
+    registers (two-pass statistics from registers, no cancellation)."""
+    check_dtype("add_norm", y, residual, norm_w, norm_b)
+    d = residual.shape[-1]
+    if y.numel() != residual.numel() or y.dtype != residual.dtype:
+        raise ValueError(f"add_norm: y must be {residual.dtype} with {residual.numel()} values "
+                         f"(the residual's), got {y.dtype} {tuple(y.shape)}")
+    rows, res = y.reshape(-1, d).contiguous(), residual.reshape(-1, d).contiguous()
+    w = norm_w.contiguous()
+    b = w if norm_b is None else norm_b.contiguous()
+    h, normed = torch.empty_like(res), torch.empty_like(res)
+    block = triton.next_power_of_2(d)
+    _add_norm_kernel[(res.shape[0],)](
+        rows, res, w, b, h, normed, d, float(eps),
+        rows.stride(0), res.stride(0), h.stride(0), normed.stride(0),
+        HAS_B=norm_b is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **pdl_meta())
+    return h.reshape(residual.shape), normed.reshape(residual.shape)
+
+
 def norm_meta(d_out: int) -> dict:
     """``finish_norm_last``'s sizes for rows of ``d_out``: the tiles' statistics (at most one
     tile per ``COUNT_BLOCK`` columns) and the row, each in one load."""

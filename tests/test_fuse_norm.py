@@ -1,6 +1,8 @@
 """Option ``fuse_norm``: a sparse op's residual add and layer norm finished by its own reducing
 kernel (``ops.sparse_mlp_norm``, ``ops.sparse_head_out_norm``, ``passes/lower.py::fuse_norms``,
-``kernels/triton_common.py::finish_norm_last``). Kernels on CPU through TRITON_INTERPRET=1."""
+``kernels/triton_common.py::finish_norm_last``), or by an add-norm launch after the op
+(``triton_common.add_norm``, ``DEJAVU_NORM_FINISH``). Kernels on CPU through
+TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -126,6 +128,71 @@ def test_norm_ops_without_the_fused_finish(dtype):
                                  norm=(residual, weight, bias, EPS)),
            _ref64(ref.sparse_head_out, attn, hidx, wo.t(), None, head_dim), residual, weight,
            bias, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("d", [1, 23, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_norm_kernel(dtype, d, rows, bias):
+    """``triton_common.add_norm``, one program a row holding the row: the sum against the fp64
+    reference, the norm against the layer norm of the kernel's own (rounded) sum, in the
+    residual's shape; y may have another shape with the same values a row."""
+    residual, weight, nb = _norm_case(rows, d, dtype, bias)
+    y = _rand(rows, d, dtype=dtype, seed=14)  # [R, d] against the residual's [R, 1, d]
+    _check(tc.add_norm(y, residual, weight, nb, EPS), y.double(), residual, weight, nb, dtype)
+
+
+def test_add_norm_refuses_what_does_not_fit():
+    """A y of another dtype or size, a dtype the kernels do not take: clear errors."""
+    residual, weight, bias = _norm_case(2, 23, torch.float16, bias=True)
+    for y in (_rand(2, 23, dtype=torch.float32, seed=14), _rand(2, 22, dtype=torch.float16,
+                                                                   seed=14)):
+        with pytest.raises(ValueError, match="add_norm: y must be torch.float16"):
+            tc.add_norm(y, residual, weight, bias, EPS)
+    with pytest.raises(TypeError, match="add_norm"):
+        tc.add_norm(residual.double(), residual.double(), weight, bias, EPS)
+
+
+@pytest.mark.parametrize("finish", ["kernel", "mixed"])
+def test_norm_ops_with_the_norm_launched_after(finish, monkeypatch):
+    """``DEJAVU_NORM_FINISH``: "kernel" runs both ops as without the norm, then an add-norm
+    launch; "mixed" the MLP's norm in its down kernel and the output projection's in a
+    launch. The results equal the reference's, on workspaces left zero; a launch-after op
+    needs no norm values in its workspace."""
+    monkeypatch.setenv(tc.NORM_FINISH_ENV, finish)
+    dtype, batch = torch.float16, 2
+    launched, real = [], tc._add_norm_kernel
+
+    class Spy:  # the launcher indexes the kernel by its grid: count those
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(tc, "_add_norm_kernel", Spy())
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, False, 0.3, batch)
+    k, d_out = idx.shape[-1], w2_t.shape[1]
+    residual, weight, bias = _norm_case(batch, d_out, dtype, bias=True)
+    norm = (residual, weight, bias, EPS)
+    in_down = finish == "mixed"
+    space = torch.zeros(ops.workspace_numel(batch, d_out, k)
+                        + (ops.norm_numel(batch, d_out) if in_down else 0), device=DEVICE)
+    for _ in range(2):
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, None, w2_t, b2, "relu", workspace=space,
+                                    norm=norm)
+        _check(got, _ref64(ref.sparse_mlp, x, idx, w1, b1, None, w2_t, b2, "relu"), residual,
+               weight, bias, dtype)
+        assert not space.any()
+    assert len(launched) == (0 if in_down else 2)
+    n_heads, head_dim = 6, 12
+    attn = _rand(batch, 1, n_heads * head_dim, dtype=dtype, seed=3)
+    wo_t = _rand(n_heads * head_dim, d_out, dtype=dtype, seed=4)
+    hidx = _selection(batch, n_heads, 3).view(batch, 1, 3)
+    space = torch.zeros(ops.workspace_numel(batch, d_out), device=DEVICE)
+    got = heads.sparse_head_out(attn, hidx, wo_t, None, head_dim, workspace=space, norm=norm)
+    _check(got, _ref64(ref.sparse_head_out, attn, hidx, wo_t, None, head_dim), residual, weight,
+           bias, dtype)
+    assert not space.any() and len(launched) == (1 if in_down else 3)
 
 
 def test_norm_ops_refuse_what_does_not_fit():
@@ -254,12 +321,13 @@ def test_shipped_keys_match_the_fused_calls(monkeypatch):
 def test_norm_finish_compiles_for_hopper(tmp_path):
     """The interpreter runs the kernels' Python, not Triton's compiler: compile the down and
     output-projection kernels with the fused norm for an sm_90 GPU (Triton's own ptxas, no GPU
-    needed), at OPT-13B's row of 5120 and the shipped tiles."""
+    needed), at OPT-13B's row of 5120 and the shipped tiles, and the add-norm kernel for that
+    row."""
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dejavu_compile.kernels import heads, sparse_mlp
+from dejavu_compile.kernels import heads, sparse_mlp, triton_common
 norm = {"res_ptr": "*fp16", "nrm_ptr": "*fp16", "nw_ptr": "*fp16", "nb_ptr": "*fp16",
         "stats_ptr": "*fp32", "rcnt_ptr": "*i32", "eps": "fp32"}
 sizes = dict(NORM=True, HAS_NB=True, BLOCK_T=512, BLOCK_ROW=8192, PDL=True, CLEAN=True,
@@ -272,7 +340,10 @@ cases = [(sparse_mlp._down_kernel.fn,
          (heads._head_out_kernel.fn,
           {"a_ptr": "*fp16", "idx_ptr": "*i64", "w_ptr": "*fp16", "out_ptr": "*fp32",
            "fin_ptr": "*fp16", "b_ptr": "*fp16", "cnt_ptr": "*i32"},
-          dict(HAS_B=True, EARLY=False, BLOCK_N=64, BLOCK_D=128, TILES=4))]
+          dict(HAS_B=True, EARLY=False, BLOCK_N=64, BLOCK_D=128, TILES=4)),
+         (triton_common._add_norm_kernel,
+          {p: "*fp16" for p in ("y_ptr", "r_ptr", "w_ptr", "b_ptr", "h_ptr", "n_ptr")},
+          dict(HAS_B=True, BLOCK=8192))]
 for fn, ptrs, const in cases:
     const = {k: v for k, v in {**sizes, **const}.items() if k in fn.arg_names}
     sig = {a: {**ptrs, **norm}.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
@@ -289,6 +360,7 @@ for fn, ptrs, const in cases:
                          cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines()]
-    assert [r[0] for r in rows] == ["_down_kernel", "_head_out_kernel"], out.stdout
+    assert [r[0] for r in rows] == ["_down_kernel", "_head_out_kernel", "_add_norm_kernel"], \
+        out.stdout
     # the row's statistics and values are read from L2, where the other programs stored them
-    assert all(int(r[2]) > 0 for r in rows), out.stdout
+    assert all(int(r[2]) > 0 for r in rows[:2]), out.stdout
