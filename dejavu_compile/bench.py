@@ -757,7 +757,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
          "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl",
          "dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
-         "dejavu_captured_qkv_normm_pdl")
+         "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_nonorm_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -859,16 +859,21 @@ _DEJAVU_MODES = {
     "dejavu_captured_qkv_early_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     "dejavu_captured_ahead_early_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False}),
     # dejavu_captured_qkv_pdl with each residual add and layer norm after a sparse MLP or
-    # output projection done by that op's reducing kernel (option fuse_norm)
+    # output projection (option fuse_norm, on by default since the thirty-seventh session)
+    # done by that op's reducing kernel (triton_common.NORM_FINISH_ENV "last"), in an add-norm
+    # launch of its own after the op ("kernel", the default: the same step as
+    # dejavu_captured_qkv_pdl), and the MLP's in its down kernel and the output projection's
+    # in such a launch ("mixed"; kernel_switches)
     "dejavu_captured_qkv_norm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "fuse_norm": True}),
-    # dejavu_captured_qkv_norm_pdl with each such norm in an add-norm launch of its own after
-    # the op (triton_common.NORM_FINISH_ENV "kernel"), and with the MLP's in its down kernel
-    # and the output projection's in such a launch ("mixed"; kernel_switches)
     "dejavu_captured_qkv_normk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                  "fuse_norm": True}),
     "dejavu_captured_qkv_normm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                  "fuse_norm": True}),
+    # dejavu_captured_qkv_pdl without option fuse_norm: Inductor's fused residual adds and
+    # layer norms, the default step until the thirty-seventh session
+    "dejavu_captured_qkv_nonorm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                  "fuse_norm": False}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
@@ -888,8 +893,8 @@ def kernel_switches(mode: str):
     ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
     attention's output projection load their ids and first weights before their wait) 1 for
     the modes named ``*_early_pdl``, ``DEJAVU_NORM_FINISH`` (where a fused norm is computed)
-    "kernel" for ``dejavu_captured_qkv_normk_pdl`` and "mixed" for
-    ``dejavu_captured_qkv_normm_pdl``,
+    "last" for ``dejavu_captured_qkv_norm_pdl``, "kernel" for
+    ``dejavu_captured_qkv_normk_pdl`` and "mixed" for ``dejavu_captured_qkv_normm_pdl``,
     each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
@@ -905,7 +910,8 @@ def kernel_switches(mode: str):
         os.environ.pop(GRID_ENV, None)
         os.environ.pop(EARLY_IDS_ENV, None)
         os.environ.pop(NORM_FINISH_ENV, None)
-        finishes = {"dejavu_captured_qkv_normk_pdl": "kernel",
+        finishes = {"dejavu_captured_qkv_norm_pdl": "last",
+                    "dejavu_captured_qkv_normk_pdl": "kernel",
                     "dejavu_captured_qkv_normm_pdl": "mixed"}
         if mode in finishes:
             os.environ[NORM_FINISH_ENV] = finishes[mode]

@@ -206,20 +206,23 @@ class DejavuOptions:
         inference dropout) into a residual add, and that sum into a layer norm with weight
         and bias (OPT's layers and its final norm), becomes ``dejavu::sparse_mlp_norm`` or
         ``dejavu::sparse_head_out_norm``, which return the sum and its norm
-        (``passes/lower.py::fuse_norms``). On CUDA, with per-row ids, the reducing kernel that
-        finishes the op's outputs adds the residual, and the last of a row's output tiles
-        normalises the row (``kernels/triton_common.py::finish_norm_last``): one kernel fewer
-        for each such norm, 78 of the 80 layer norms of OPT-13B's step at the operating point.
-        The norm's mean and variance are summed in another order than Inductor's, so the
-        outputs can differ in their last bits; the CPU reference computes the same ops as the
-        graph it replaces. Off by default: on an H200 (BENCHMARKS.md, thirty-sixth session,
-        bench mode ``dejavu_captured_qkv_norm_pdl``) OPT-13B's step ran 3.88 and 3.74 ms with
-        it against 3.63 and 3.67 without, side by side: the 78 norm kernels (204-206 us a
-        step) went, but the finish, a chain of memory round trips (count, sums, stores,
-        count, row), added 1.9-5.8 us to each call of the two kernels. With
-        ``DEJAVU_NORM_FINISH=kernel`` (``kernels/triton_common.py``) the ops instead end as
-        without the norm and one add-norm launch of ours follows, the row held in registers;
-        with ``mixed`` the MLP's norm stays in its down kernel.
+        (``passes/lower.py::fuse_norms``); anything else (an RMS norm: Llama, Gemma) is left
+        as it is and counted (``fuse_norm_skipped``). On CUDA (``kernels/triton_common.py``,
+        ``DEJAVU_NORM_FINISH``) the op runs as without the norm and one add-norm launch of
+        ours follows (``add_norm``: a row a program, held in registers, the norm's weight and
+        bias loaded before its wait), in place of Inductor's fused add and layer norm, which
+        loops over a row of 5120 twice; with ``last``, the reducing kernel's last programs
+        normalise the row instead (``finish_norm_last``: one kernel fewer a norm). The
+        norm's mean and variance are summed in another order than Inductor's, so the outputs
+        can differ in their last bits; the CPU reference computes the same ops as the graph
+        it replaces. On by default: on an H200 (BENCHMARKS.md, thirty-seventh session, bench
+        modes ``dejavu_captured_qkv_normk_pdl`` and ``dejavu_captured_qkv_nonorm_pdl``, the
+        latter as the default step was before) OPT-13B's step ran 3.54, 3.71 and 3.67 ms with
+        the add-norm launches against 3.82, 3.81 and 3.77 without the option, in three rounds
+        side by side: 1.8 us a norm against Inductor's 2.6. The finish in the last programs
+        was slower than either (thirty-sixth session: 3.88 and 3.74 ms against 3.63 and 3.67
+        without; the finish, a chain of memory round trips, added 1.9-5.8 us to each call of
+        the two kernels).
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
@@ -260,7 +263,7 @@ class DejavuOptions:
     batch_positions: bool = False
     multi_kernel: bool = False
     inductor_pdl: bool | None = None
-    fuse_norm: bool = False
+    fuse_norm: bool = True
     shipped_configs: bool = True
     dump_dir: str | None = None
 

@@ -345,23 +345,26 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res, h_row,
             tl.atomic_xchg(rcnt_ptr, 0)
 
 
-# How ``sparse_mlp_norm`` and ``sparse_head_out_norm`` finish their residual add and layer
-# norm on CUDA where the reducing kernel could (per-row ids and atomics): "last", the default,
-# in that kernel's last programs (``finish_norm_last``); "kernel", the op ends as it does
-# without the norm and one ``add_norm`` launch follows, a row in registers per program in
-# place of Inductor's fused kernel, which loops over the row twice (a row of 5120 is longer
-# than the 1024 it holds in registers); "mixed", the MLP's in the down kernel's last programs
-# and the output projection's in an ``add_norm`` launch (its kernel already spills at the
-# shipped tile, and the finish made it 5.8 us a call slower on an H200, the down kernel 1.9
-# us: BENCHMARKS.md, thirty-sixth session). ``dejavu bench`` modes
-# ``dejavu_captured_qkv_normk_pdl`` and ``dejavu_captured_qkv_normm_pdl`` set it.
+# How ``sparse_mlp_norm`` and ``sparse_head_out_norm`` (option ``fuse_norm``) finish their
+# residual add and layer norm on CUDA where the reducing kernel could (per-row ids and
+# atomics): "kernel", the default, the op ends as it does without the norm and one
+# ``add_norm`` launch follows, a row in registers per program in place of Inductor's fused
+# kernel, which loops over the row twice (a row of 5120 is longer than the 1024 it holds in
+# registers): 1.8 us a norm against 2.6 in OPT-13B's step on an H200, and the step 0.10-0.28
+# ms faster in three rounds (BENCHMARKS.md, thirty-seventh session); "last", in that kernel's
+# last programs (``finish_norm_last``), one launch fewer but a chain of memory round trips at
+# the end of the kernel, slower (thirty-sixth session); "mixed", the MLP's in the down
+# kernel's last programs and the output projection's in an ``add_norm`` launch (its kernel
+# already spills at the shipped tile, and the finish made it 5.8 us a call slower, the down
+# kernel 1.9 us), 3.67 against 3.54 ms for "kernel" in one round. ``dejavu bench`` modes
+# ``dejavu_captured_qkv_norm_pdl`` and ``dejavu_captured_qkv_normm_pdl`` set the last two.
 NORM_FINISH_ENV = "DEJAVU_NORM_FINISH"
-NORM_FINISHES = ("last", "kernel", "mixed")
+NORM_FINISHES = ("kernel", "last", "mixed")
 
 
 def norm_in_finish(op: str) -> bool:
     """Whether the reducing kernel of ``op`` ("mlp" or "head_out") finishes a fused norm
-    itself (``NORM_FINISH_ENV``; unset is "last"), rather than an ``add_norm`` launch after
+    itself (``NORM_FINISH_ENV``; unset is "kernel"), rather than an ``add_norm`` launch after
     the op. Any other value of the variable is an error."""
     asked = os.environ.get(NORM_FINISH_ENV, NORM_FINISHES[0])
     if asked not in NORM_FINISHES:

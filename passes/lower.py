@@ -652,10 +652,11 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     projection's output through an inference dropout into a residual add, and that sum (or a
     view of it) into a layer norm with a weight, becomes one ``dejavu::sparse_mlp_norm`` or
     ``dejavu::sparse_head_out_norm`` returning (the sum, its norm); the sum's other readers (the
-    next residual add) read the first. On CUDA the op's reducing kernel does the add and the
-    norm in its finish (``kernels/triton_common.py::finish_norm_last``), so no layer norm
-    kernel runs after it. Anything else (an RMS norm, a norm without a weight, another user
-    of the op's output) is left as it is (``fuse_norm_skipped``)."""
+    next residual add) read the first. On CUDA one add-norm launch of ours follows the op
+    (``kernels/triton_common.py::add_norm``), or with ``DEJAVU_NORM_FINISH=last`` the op's
+    reducing kernel does the add and the norm in its finish (``finish_norm_last``). Anything
+    else (an RMS norm, a norm without a weight, another user of the op's output) is left as
+    it is (``fuse_norm_skipped``)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
@@ -704,6 +705,11 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
                                              (parts[1], tuple(fake_value(norm).shape)))
                 set_val(normed, fake_mode)
         norm.replace_all_uses_with(normed)
+        # the blocks' inputs as discovered (read by graph_splits and the export's labels)
+        # name the nodes that now stand for the erased ones
+        for key, block_input in list(ctx.inputs.items()):
+            if block_input is norm or block_input is total:
+                ctx.inputs[key] = normed if block_input is norm else parts[0]
         graph.erase_node(norm)
         if view is not None and not view.users:
             graph.erase_node(view)

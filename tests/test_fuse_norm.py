@@ -27,6 +27,13 @@ tc = pytest.importorskip("dejavu_compile.kernels.triton_common")
 EPS = 1e-5
 
 
+@pytest.fixture
+def last_finish(monkeypatch):
+    """The norm in the reducing kernel's last programs (``DEJAVU_NORM_FINISH=last``; the
+    default is an add-norm launch after the op)."""
+    monkeypatch.setenv(tc.NORM_FINISH_ENV, "last")
+
+
 def _norm_case(batch: int, d_out: int, dtype, bias: bool):
     """A residual far from zero mean (the norm's statistics must not cancel), weight, bias."""
     residual = _rand(batch, 1, d_out, dtype=dtype, seed=11) * 6 + 3
@@ -50,6 +57,7 @@ def _check(got, y64, residual, weight, bias, dtype):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("density", [1 / 45, 0.3, 1.0])
 @pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.usefixtures("last_finish")
 def test_sparse_mlp_norm_kernel(dtype, gated, density, batch):
     """The down kernel finishes the sum and its norm: on a fresh buffer, and three calls on a
     workspace (``workspace_numel`` + ``norm_numel``) with another input in between, each equal
@@ -82,6 +90,7 @@ def test_sparse_mlp_norm_kernel(dtype, gated, density, batch):
 @pytest.mark.parametrize("n_heads,head_dim,k", [(5, 8, 1), (6, 12, 3), (4, 16, 4)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.usefixtures("last_finish")
 def test_sparse_head_out_norm_kernel(dtype, n_heads, head_dim, k, bias, batch):
     """The output projection's kernel finishes the sum and its norm, on a fresh buffer and twice
     on a workspace it leaves zero."""
@@ -104,6 +113,7 @@ def test_sparse_head_out_norm_kernel(dtype, n_heads, head_dim, k, bias, batch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.usefixtures("last_finish")
 def test_norm_ops_without_the_fused_finish(dtype):
     """A batch's union selection, deterministic mode and the output projection on its original
     layout have no fused finish: the ops add and normalise after, with the same results."""
@@ -250,6 +260,9 @@ def test_the_pass_fuses_opt_norms_and_keeps_the_logits(tmp_path):
         gm, ctx = graphs[-1]
         names = _dejavu_nodes(gm)
         norms = [n for n in gm.graph.nodes if n.target is torch.nn.functional.layer_norm]
+        # the blocks' discovered inputs name nodes of the graph (the fused norms' outputs)
+        live = set(gm.graph.nodes)
+        assert ctx.inputs and all(n in live for n in ctx.inputs.values()), ctx.inputs
         if fuse:
             assert ctx.counters.values["fuse_norm[sparse_mlp]"] == 2
             assert ctx.counters.values["fuse_norm[sparse_head_out]"] == 2
@@ -277,6 +290,7 @@ def test_rms_norms_are_left_alone(tiny):
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("last_finish")
 def test_shipped_keys_match_the_fused_calls(monkeypatch):
     """The shipped H200 configs are keyed by the tuning arguments and every tensor argument's
     dtype: the down and output-projection kernels' keys must have the dtypes of an fp16 call

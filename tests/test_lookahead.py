@@ -34,7 +34,8 @@ def test_predictors_read_the_previous_layers_input(tiny, arch, tmp_path):
     assert preds[(1, "mlp")].args[0] is inputs[(0, "mlp")]
     assert preds[(1, "attention")].args[0] is inputs[(0, "attention")]
     # scheduled ahead: before the previous layer's block computes
-    sparse_mlp = [n for n in gm.graph.nodes if n.target is OPS.sparse_mlp.default]
+    sparse_mlp = [n for n in gm.graph.nodes  # OPT's with its layer norm (fuse_norm)
+                  if n.target in (OPS.sparse_mlp.default, OPS.sparse_mlp_norm.default)]
     assert order[preds[(1, "mlp")]] < order[sparse_mlp[0]]
     head_proj = [n for n in gm.graph.nodes if n.target is OPS.sparse_head_proj.default]
     assert order[preds[(1, "attention")]] < order[head_proj[0]]
