@@ -217,9 +217,9 @@ class DejavuOptions:
         can differ in their last bits; the CPU reference computes the same ops as the graph
         it replaces. On by default: on an H200 (BENCHMARKS.md, thirty-seventh session, bench
         modes ``dejavu_captured_qkv_normk_pdl`` and ``dejavu_captured_qkv_nonorm_pdl``, the
-        latter as the default step was before) OPT-13B's step ran 3.54, 3.71 and 3.67 ms with
-        the add-norm launches against 3.82, 3.81 and 3.77 without the option, in three rounds
-        side by side: 1.8 us a norm against Inductor's 2.6. The finish in the last programs
+        latter as the default step was before) OPT-13B's step ran 3.54, 3.71, 3.67 and 3.58
+        ms with the add-norm launches against 3.82, 3.81, 3.77 and 3.72 without the option,
+        in four rounds side by side: 1.8 us a norm against Inductor's 2.6. The finish in the last programs
         was slower than either (thirty-sixth session: 3.88 and 3.74 ms against 3.63 and 3.67
         without; the finish, a chain of memory round trips, added 1.9-5.8 us to each call of
         the two kernels).

@@ -351,7 +351,7 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res, h_row,
 # ``add_norm`` launch follows, a row in registers per program in place of Inductor's fused
 # kernel, which loops over the row twice (a row of 5120 is longer than the 1024 it holds in
 # registers): 1.8 us a norm against 2.6 in OPT-13B's step on an H200, and the step 0.10-0.28
-# ms faster in three rounds (BENCHMARKS.md, thirty-seventh session); "last", in that kernel's
+# ms faster in four rounds (BENCHMARKS.md, thirty-seventh session); "last", in that kernel's
 # last programs (``finish_norm_last``), one launch fewer but a chain of memory round trips at
 # the end of the kernel, slower (thirty-sixth session); "mixed", the MLP's in the down
 # kernel's last programs and the output projection's in an ``add_norm`` launch (its kernel
