@@ -757,7 +757,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
          "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl",
          "dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
-         "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_nonorm_pdl")
+         "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_norms_pdl",
+         "dejavu_captured_qkv_nonorm_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -862,13 +863,16 @@ _DEJAVU_MODES = {
     # output projection (option fuse_norm, on by default since the thirty-seventh session)
     # done by that op's reducing kernel (triton_common.NORM_FINISH_ENV "last"), in an add-norm
     # launch of its own after the op ("kernel", the default: the same step as
-    # dejavu_captured_qkv_pdl), and the MLP's in its down kernel and the output projection's
-    # in such a launch ("mixed"; kernel_switches)
+    # dejavu_captured_qkv_pdl), the MLP's in its down kernel and the output projection's
+    # in such a launch ("mixed"), and in such launches that also finish the reducing kernels'
+    # sums ("sums"; kernel_switches)
     "dejavu_captured_qkv_norm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "fuse_norm": True}),
     "dejavu_captured_qkv_normk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                  "fuse_norm": True}),
     "dejavu_captured_qkv_normm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                 "fuse_norm": True}),
+    "dejavu_captured_qkv_norms_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                  "fuse_norm": True}),
     # dejavu_captured_qkv_pdl without option fuse_norm: Inductor's fused residual adds and
     # layer norms, the default step until the thirty-seventh session
@@ -894,7 +898,8 @@ def kernel_switches(mode: str):
     attention's output projection load their ids and first weights before their wait) 1 for
     the modes named ``*_early_pdl``, ``DEJAVU_NORM_FINISH`` (where a fused norm is computed)
     "last" for ``dejavu_captured_qkv_norm_pdl``, "kernel" for
-    ``dejavu_captured_qkv_normk_pdl`` and "mixed" for ``dejavu_captured_qkv_normm_pdl``,
+    ``dejavu_captured_qkv_normk_pdl``, "mixed" for ``dejavu_captured_qkv_normm_pdl`` and
+    "sums" for ``dejavu_captured_qkv_norms_pdl``,
     each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
@@ -912,7 +917,8 @@ def kernel_switches(mode: str):
         os.environ.pop(NORM_FINISH_ENV, None)
         finishes = {"dejavu_captured_qkv_norm_pdl": "last",
                     "dejavu_captured_qkv_normk_pdl": "kernel",
-                    "dejavu_captured_qkv_normm_pdl": "mixed"}
+                    "dejavu_captured_qkv_normm_pdl": "mixed",
+                    "dejavu_captured_qkv_norms_pdl": "sums"}
         if mode in finishes:
             os.environ[NORM_FINISH_ENV] = finishes[mode]
         if mode.endswith("_early_pdl"):

@@ -51,6 +51,7 @@ from .triton_common import (
     UNION_ROWS,
     UNION_TILE_FIXED,
     add_norm,
+    add_norm_sums,
     add_partial,
     add_rows,
     apply_act,
@@ -70,6 +71,7 @@ from .triton_common import (
     launch,
     load_rows,
     norm_args,
+    norm_finish,
     norm_in_finish,
     norm_meta,
     partials,
@@ -430,13 +432,15 @@ def _launch_up(rows, sel, w, w_up, pre_target, up_target, parts, gated: bool, de
 
 
 def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
-                 fin=None, b2=None, cnt=None, clean=None, norm=None):
+                 fin=None, b2=None, cnt=None, clean=None, norm=None, finish: bool = True):
     """``pre`` [2 or 1, R, k]: pre-activations (and up values of a gated MLP). With ``fin``
     (per-row ids, atomics) the kernel finishes its outputs into it, adding ``b2``, counting in
     ``cnt`` (``triton_common.finish_last``); with ``clean`` ([R, k] int32 zeros) it leaves the
     pre-activations, sums and counters zero (a workspace, ``workspace_targets``). ``norm``
     (with ``fin``): ``triton_common.norm_args`` of a norm, for ``finish_norm_last``, ``fin``
-    then receiving the residual sum."""
+    then receiving the residual sum. ``finish`` false: the sums are left unfinished (and not
+    zeroed) for ``triton_common.add_norm_sums``; ``fin`` and ``cnt`` only stand in for
+    themselves, so that the call has the tuning key of one that finishes."""
     k, d_out, n_rows = sel.shape[1], w2_t.shape[1], pre.shape[1]
     if shared(sel, n_rows):
         launch(_down_union_kernel, lambda m: (triton.cdiv(n_rows, UNION_ROWS),
@@ -462,7 +466,8 @@ def _launch_down(pre, sel, b1, w2_t, parts, act: str, gated: bool, det: bool,
                pre.stride(1), idx_stride(sel), w2_t.stride(0), w2_t.stride(1), parts.stride(1),
                stats.stride(0) if norm else 0, parts.stride(0) if det else 0,
                ACT=ACT_CODES[act], HAS_B1=b1 is not None, GATED=gated, ATOMIC=not det,
-               FUSED=fin is not None, HAS_B2=b2 is not None, CLEAN=clean is not None,
+               FUSED=fin is not None and finish, HAS_B2=b2 is not None,
+               CLEAN=clean is not None,
                NORM=norm is not None, HAS_NB=nb is not None, **norm_meta(d_out),
                fixed=REDUCE_FIXED if det else None)
 
@@ -481,7 +486,9 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     norm), which the down kernel finishes itself with per-row ids and atomics
     (``triton_common.finish_norm_last``; ``workspace`` then has ``ops.norm_numel`` values
     more); otherwise, or where ``triton_common.norm_in_finish`` says not, one
-    ``triton_common.add_norm`` launch computes them after the op.
+    ``triton_common.add_norm`` launch computes them after the op, or with
+    ``DEJAVU_NORM_FINISH=sums`` ``triton_common.add_norm_sums`` from the down kernel's
+    unfinished sums.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
     d, d_out = x.shape[-1], w2_t.shape[1]
@@ -495,7 +502,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     det, gated = deterministic(), w_up is not None
     n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
     n_pre = 2 if gated else 1
-    if norm is not None and (not norm_in_finish("mlp") or stores_rows()
+    sums = norm is not None and norm_finish() == "sums"  # the add-norm launch finishes
+    if norm is not None and (not (sums or norm_in_finish("mlp")) or stores_rows()
                              or not fuses_finish(det, union_ids)):
         return add_norm(sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead),
                         *norm)
@@ -513,13 +521,15 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     pre, out, cnt, fin, clean = _targets(det, n_pre, n_rows, k, d, d_out, x.device,
                                          x.dtype, union=union_ids, workspace=workspace)
     # (fin: the fused finish, which a norm needs, is checked above)
-    fused = None if norm is None else norm_args(norm, fin, out[0], cnt, workspace,
-                                                workspace_numel(n_rows, d_out, k, gated))
+    fused = None if norm is None or sums else norm_args(norm, fin, out[0], cnt, workspace,
+                                                        workspace_numel(n_rows, d_out, k, gated))
     # on a workspace no fill runs: the kernel before the up kernel is another op's
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
                after=clean is None, early=ahead and early_ids())
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean,
-                 fused)
+                 fused, finish=not sums)
+    if sums:
+        return add_norm_sums(out[0], b2, *norm, clean=clean is not None)
     if fused is not None:
         shape = norm[0].shape
         return fin.reshape(shape), fused[1].reshape(shape)

@@ -356,40 +356,64 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res, h_row,
 # the end of the kernel, slower (thirty-sixth session); "mixed", the MLP's in the down
 # kernel's last programs and the output projection's in an ``add_norm`` launch (its kernel
 # already spills at the shipped tile, and the finish made it 5.8 us a call slower, the down
-# kernel 1.9 us), 3.67 against 3.54 ms for "kernel" in one round. ``dejavu bench`` modes
-# ``dejavu_captured_qkv_norm_pdl`` and ``dejavu_captured_qkv_normm_pdl`` set the last two.
+# kernel 1.9 us), 3.67 against 3.54 ms for "kernel" in one round; "sums", the reducing
+# kernel leaves its fp32 sums unfinished (no count, no last program) and the ``add_norm``
+# launch adds the op's bias to them, rounds, adds the residual, normalises, and zeroes the
+# sums (``add_norm_sums``): the finish the thirteenth session timed at 2.7 us a call of the
+# down kernel moves into a launch that runs anyway (not yet measured). ``dejavu bench`` modes
+# ``dejavu_captured_qkv_norm_pdl``, ``dejavu_captured_qkv_normm_pdl`` and
+# ``dejavu_captured_qkv_norms_pdl`` set the last three.
 NORM_FINISH_ENV = "DEJAVU_NORM_FINISH"
-NORM_FINISHES = ("kernel", "last", "mixed")
+NORM_FINISHES = ("kernel", "last", "mixed", "sums")
+
+
+def norm_finish() -> str:
+    """Where a fused norm is computed on CUDA: one of ``NORM_FINISHES`` (``NORM_FINISH_ENV``;
+    unset is "kernel"). Any other value of the variable is an error."""
+    asked = os.environ.get(NORM_FINISH_ENV, NORM_FINISHES[0])
+    if asked not in NORM_FINISHES:
+        raise ValueError(f"{NORM_FINISH_ENV}={asked!r}: set it to one of {NORM_FINISHES}")
+    return asked
 
 
 def norm_in_finish(op: str) -> bool:
     """Whether the reducing kernel of ``op`` ("mlp" or "head_out") finishes a fused norm
-    itself (``NORM_FINISH_ENV``; unset is "kernel"), rather than an ``add_norm`` launch after
-    the op. Any other value of the variable is an error."""
-    asked = os.environ.get(NORM_FINISH_ENV, NORM_FINISHES[0])
-    if asked not in NORM_FINISHES:
-        raise ValueError(f"{NORM_FINISH_ENV}={asked!r}: set it to one of {NORM_FINISHES}")
+    itself (``norm_finish``), rather than an ``add_norm`` launch after the op."""
+    asked = norm_finish()
     return asked == "last" or (asked == "mixed" and op == "mlp")
 
 
 @triton.jit
-def _add_norm_kernel(y_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
+def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
                      N, eps,
                      stride_y, stride_r, stride_h, stride_n,
-                     HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # one program a row, the whole row in registers: the weight and bias load before the
-    # wait (they are no kernel's output), the row after it, then no memory until the stores
+                     HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     SUMS: tl.constexpr = False, HAS_YB: tl.constexpr = False,
+                     CLEAN: tl.constexpr = False):
+    # one program a row, the whole row in registers: the weight and biases load before the
+    # wait (they are no kernel's output), the row after it, then no memory until the stores.
+    # SUMS: y is a reducing kernel's fp32 sums, finished here as ``finish_last`` would (the
+    # op's bias ``yb`` added, rounded to the rows' dtype); CLEAN: and left zero (a workspace)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_B:
         nb = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_YB:
+        yb = tl.load(yb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     wait_inputs(PDL)
-    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0)
+    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    if SUMS:
+        if HAS_YB:
+            y += yb
+        y = y.to(h_ptr.dtype.element_ty).to(tl.float32)  # the op's output, as it was rounded
+        if CLEAN:
+            tl.store(y_ptr + row * stride_y + offs, tl.zeros([BLOCK], dtype=tl.float32),
+                     mask=mask)
     # the sum rounded to the rows' dtype, then normalised: what the graph computed
-    h = (r.to(tl.float32) + y.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    h = (r.to(tl.float32) + y).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
     hf = h.to(tl.float32)
     dev = tl.where(mask, hf - tl.sum(hf, 0) / N, 0.0)
@@ -411,16 +435,40 @@ def add_norm(y: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
         raise ValueError(f"add_norm: y must be {residual.dtype} with {residual.numel()} values "
                          f"(the residual's), got {y.dtype} {tuple(y.shape)}")
     rows, res = y.reshape(-1, d).contiguous(), residual.reshape(-1, d).contiguous()
-    w = norm_w.contiguous()
-    b = w if norm_b is None else norm_b.contiguous()
+    return _launch_add_norm(rows, None, res, norm_w.contiguous(), norm_b, eps, residual.shape)
+
+
+def _launch_add_norm(rows, y_bias, res, w, norm_b, eps, shape, sums: bool = False,
+                     clean: bool = False):
     h, normed = torch.empty_like(res), torch.empty_like(res)
-    block = triton.next_power_of_2(d)
+    block = triton.next_power_of_2(res.shape[1])
     _add_norm_kernel[(res.shape[0],)](
-        rows, res, w, b, h, normed, d, float(eps),
+        rows, w if y_bias is None else y_bias, res, w,
+        w if norm_b is None else norm_b.contiguous(), h,
+        normed, res.shape[1], float(eps),
         rows.stride(0), res.stride(0), h.stride(0), normed.stride(0),
-        HAS_B=norm_b is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **pdl_meta())
-    return h.reshape(residual.shape), normed.reshape(residual.shape)
+        HAS_B=norm_b is not None, BLOCK=block, SUMS=sums, HAS_YB=y_bias is not None,
+        CLEAN=clean, num_warps=min(16, max(1, block // 256)), **pdl_meta())
+    return h.reshape(shape), normed.reshape(shape)
+
+
+def add_norm_sums(sums: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                  norm_w: torch.Tensor, norm_b: torch.Tensor | None, eps: float,
+                  clean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_norm`` of a reducing kernel's unfinished output (``DEJAVU_NORM_FINISH=sums``):
+    sums [R, d] fp32 (row stride free, columns contiguous), the op's ``bias`` [d] or None ->
+    (h = residual + round(sums + bias), layer_norm(h)), shaped and typed as residual [..., d].
+    ``clean``: the sums are left zero (a workspace kept zero between calls)."""
+    check_dtype("add_norm", bias, residual, norm_w, norm_b)
+    d = residual.shape[-1]
+    if sums.dtype != torch.float32 or sums.dim() != 2 or sums.shape[1] != d \
+            or sums.shape[0] * d != residual.numel() or sums.stride(1) != 1:
+        raise ValueError(f"add_norm_sums: the sums must be fp32 [{residual.numel() // d}, {d}] "
+                         f"with contiguous columns, got {sums.dtype} {tuple(sums.shape)}")
+    res = residual.reshape(-1, d).contiguous()
+    y_bias = None if bias is None else bias.contiguous()
+    return _launch_add_norm(sums, y_bias, res, norm_w.contiguous(), norm_b, eps,
+                            residual.shape, sums=True, clean=clean)
 
 
 def norm_meta(d_out: int) -> dict:

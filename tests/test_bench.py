@@ -578,11 +578,12 @@ def test_only_the_early_modes_load_the_up_kernels_ids_before_the_wait(monkeypatc
 def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
     """``dejavu_captured_qkv_norm_pdl`` finishes every fused norm in the reducing kernels,
     ``dejavu_captured_qkv_normm_pdl`` the MLP's in its down kernel and the output projection's
-    in an add-norm launch, every other mode in add-norm launches (``DEJAVU_NORM_FINISH``
+    in an add-norm launch, ``dejavu_captured_qkv_norms_pdl`` in add-norm launches that finish
+    the reducing kernels' sums, every other mode in add-norm launches (``DEJAVU_NORM_FINISH``
     unset), whatever the environment said; the environment is restored;
     ``dejavu_captured_qkv_nonorm_pdl`` has no fused norm; an unknown value is an error naming
     the variable."""
-    from dejavu_compile.kernels.triton_common import NORM_FINISH_ENV, norm_in_finish
+    from dejavu_compile.kernels.triton_common import NORM_FINISH_ENV, norm_finish, norm_in_finish
 
     monkeypatch.setenv(NORM_FINISH_ENV, "mixed")  # set outside: the mode says its own
     for mode, want in (("dejavu_captured_qkv_norm_pdl", (True, True)),
@@ -592,6 +593,10 @@ def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
         assert mode in bench.SPARSE_MODES
         with bench.kernel_switches(mode):
             assert (norm_in_finish("mlp"), norm_in_finish("head_out")) == want, mode
+    with bench.kernel_switches("dejavu_captured_qkv_norms_pdl"):
+        assert norm_finish() == "sums" and not norm_in_finish("mlp")
+    with bench.kernel_switches("dejavu_captured_qkv_pdl"):
+        assert norm_finish() == "kernel"
     assert os.environ[NORM_FINISH_ENV] == "mixed"
     modes = bench._DEJAVU_MODES
     assert modes["dejavu_captured_qkv_normk_pdl"][3]["fuse_norm"] is True

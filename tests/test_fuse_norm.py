@@ -153,6 +153,30 @@ def test_add_norm_kernel(dtype, d, rows, bias):
     _check(tc.add_norm(y, residual, weight, nb, EPS), y.double(), residual, weight, nb, dtype)
 
 
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("clean", [False, True])
+def test_add_norm_sums_kernel(dtype, bias, clean):
+    """``triton_common.add_norm_sums``: a reducing kernel's fp32 sums (rows of a wider buffer)
+    finished with the op's bias, rounded, added to the residual and normalised; with
+    ``clean`` the sums are left zero, without it as they were."""
+    rows, d = 3, 37
+    residual, weight, nb = _norm_case(rows, d, dtype, bias=True)
+    buf = _rand(rows, d + 5, dtype=torch.float32, seed=16)
+    sums, before = buf[:, :d], buf.clone()
+    yb = _rand(d, dtype=dtype, seed=17) if bias else None
+    y = sums.double() + (0 if yb is None else yb.double())
+    y = y.to(dtype).double()  # the op's output as its finish rounds it
+    _check(tc.add_norm_sums(sums, yb, residual, weight, nb, EPS, clean), y, residual, weight,
+           nb, dtype)
+    if clean:
+        assert not sums.any() and torch.equal(buf[:, d:], before[:, d:])
+    else:
+        assert torch.equal(buf, before)
+    with pytest.raises(ValueError, match="add_norm_sums: the sums must be fp32"):
+        tc.add_norm_sums(sums.half(), yb, residual, weight, nb, EPS, clean)
+
+
 def test_add_norm_refuses_what_does_not_fit():
     """A y of another dtype or size, a dtype the kernels do not take: clear errors."""
     residual, weight, bias = _norm_case(2, 23, torch.float16, bias=True)
@@ -164,12 +188,13 @@ def test_add_norm_refuses_what_does_not_fit():
         tc.add_norm(residual.double(), residual.double(), weight, bias, EPS)
 
 
-@pytest.mark.parametrize("finish", ["kernel", "mixed"])
+@pytest.mark.parametrize("finish", ["kernel", "mixed", "sums"])
 def test_norm_ops_with_the_norm_launched_after(finish, monkeypatch):
     """``DEJAVU_NORM_FINISH``: "kernel" runs both ops as without the norm, then an add-norm
     launch; "mixed" the MLP's norm in its down kernel and the output projection's in a
-    launch. The results equal the reference's, on workspaces left zero; a launch-after op
-    needs no norm values in its workspace."""
+    launch; "sums" both reducing kernels without their finish, the add-norm launch finishing
+    and zeroing their sums. The results equal the reference's, on workspaces left zero; a
+    launch-after op needs no norm values in its workspace."""
     monkeypatch.setenv(tc.NORM_FINISH_ENV, finish)
     dtype, batch = torch.float16, 2
     launched, real = [], tc._add_norm_kernel
@@ -199,10 +224,13 @@ def test_norm_ops_with_the_norm_launched_after(finish, monkeypatch):
     wo_t = _rand(n_heads * head_dim, d_out, dtype=dtype, seed=4)
     hidx = _selection(batch, n_heads, 3).view(batch, 1, 3)
     space = torch.zeros(ops.workspace_numel(batch, d_out), device=DEVICE)
-    got = heads.sparse_head_out(attn, hidx, wo_t, None, head_dim, workspace=space, norm=norm)
-    _check(got, _ref64(ref.sparse_head_out, attn, hidx, wo_t, None, head_dim), residual, weight,
-           bias, dtype)
-    assert not space.any() and len(launched) == (1 if in_down else 3)
+    bo = _rand(d_out, dtype=dtype, seed=15)
+    for _ in range(2):
+        got = heads.sparse_head_out(attn, hidx, wo_t, bo, head_dim, workspace=space, norm=norm)
+        _check(got, _ref64(ref.sparse_head_out, attn, hidx, wo_t, bo, head_dim), residual,
+               weight, bias, dtype)
+        assert not space.any()
+    assert len(launched) == (2 if in_down else 4)
 
 
 def test_norm_ops_refuse_what_does_not_fit():
@@ -336,7 +364,7 @@ def test_norm_finish_compiles_for_hopper(tmp_path):
     """The interpreter runs the kernels' Python, not Triton's compiler: compile the down and
     output-projection kernels with the fused norm for an sm_90 GPU (Triton's own ptxas, no GPU
     needed), at OPT-13B's row of 5120 and the shipped tiles, and the add-norm kernel for that
-    row."""
+    row, on a row and on a reducing kernel's sums."""
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -356,8 +384,12 @@ cases = [(sparse_mlp._down_kernel.fn,
            "fin_ptr": "*fp16", "b_ptr": "*fp16", "cnt_ptr": "*i32"},
           dict(HAS_B=True, EARLY=False, BLOCK_N=64, BLOCK_D=128, TILES=4)),
          (triton_common._add_norm_kernel,
-          {p: "*fp16" for p in ("y_ptr", "r_ptr", "w_ptr", "b_ptr", "h_ptr", "n_ptr")},
-          dict(HAS_B=True, BLOCK=8192))]
+          {p: "*fp16" for p in ("y_ptr", "yb_ptr", "r_ptr", "w_ptr", "b_ptr", "h_ptr", "n_ptr")},
+          dict(HAS_B=True, BLOCK=8192, SUMS=False, HAS_YB=False)),
+         (triton_common._add_norm_kernel,
+          {"y_ptr": "*fp32", **{p: "*fp16" for p in ("yb_ptr", "r_ptr", "w_ptr", "b_ptr",
+                                                     "h_ptr", "n_ptr")}},
+          dict(HAS_B=True, BLOCK=8192, SUMS=True, HAS_YB=True, CLEAN=True))]
 for fn, ptrs, const in cases:
     const = {k: v for k, v in {**sizes, **const}.items() if k in fn.arg_names}
     sig = {a: {**ptrs, **norm}.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
@@ -374,7 +406,7 @@ for fn, ptrs, const in cases:
                          cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines()]
-    assert [r[0] for r in rows] == ["_down_kernel", "_head_out_kernel", "_add_norm_kernel"], \
-        out.stdout
+    assert [r[0] for r in rows] == ["_down_kernel", "_head_out_kernel", "_add_norm_kernel",
+                                    "_add_norm_kernel"], out.stdout
     # the row's statistics and values are read from L2, where the other programs stored them
     assert all(int(r[2]) > 0 for r in rows[:2]), out.stdout

@@ -625,7 +625,9 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
     its predictor's side stream, and the replayed step gives the logits of the step without the
     option, to the tolerance of fp16 sums added in another order. The same with the norms in
     add-norm launches after the ops (``dejavu_captured_qkv_normk_pdl``: neither kernel has the
-    norm) and with the output projection's only (``dejavu_captured_qkv_normm_pdl``)."""
+    norm), with the output projection's only (``dejavu_captured_qkv_normm_pdl``), and with the
+    add-norm launches finishing the kernels' unfinished sums (``dejavu_captured_qkv_norms_pdl``:
+    neither kernel has the norm or its finish)."""
     from dejavu_compile.kernels import heads, sparse_mlp
 
     from dejavu_compile.bench import kernel_switches, random_profile
@@ -652,7 +654,8 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
     for mode, fuse, in_kernel in (("dejavu_captured_qkv_pdl", False, (False, False)),
                                   ("dejavu_captured_qkv_norm_pdl", True, (True, True)),
                                   ("dejavu_captured_qkv_normk_pdl", True, (False, False)),
-                                  ("dejavu_captured_qkv_normm_pdl", True, (True, False))):
+                                  ("dejavu_captured_qkv_normm_pdl", True, (True, False)),
+                                  ("dejavu_captured_qkv_norms_pdl", True, (False, False))):
         torch._dynamo.reset()
         normed.clear()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
@@ -668,6 +671,6 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
         assert counters.get("lookahead[mlp]", 0) > 0
     want = runs["dejavu_captured_qkv_pdl"]
     for mode in ("dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
-                 "dejavu_captured_qkv_normm_pdl"):
+                 "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_norms_pdl"):
         torch.testing.assert_close(runs[mode], want, atol=2e-2 * want.abs().max().item(),
                                    rtol=2e-2, msg=mode)
