@@ -344,10 +344,12 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)
     j, d_out = sel.shape[1] * head_dim, wo_t.shape[1]
     det, shared = tc.deterministic(), tc.shared(sel, rows.shape[0])
+    # the add-norm launch finishes the kernel's unfinished sums (no count) and zeroes them
+    from_sums = norm is not None and tc.norm_finish() == "sums"
     if norm is not None:
         tc.check_norm("sparse_head_out_norm", attn, d_out, *norm)
         if reads_columns(wo_t, head_dim) or not tc.fuses_finish(det, shared) \
-                or not (tc.norm_finish() == "sums" or tc.norm_in_finish("head_out")):
+                or not (from_sums or tc.norm_in_finish("head_out")):
             return tc.add_norm(sparse_head_out(attn, idx, wo_t, b, head_dim, union, workspace,
                                                early), *norm)
     if reads_columns(wo_t, head_dim):
@@ -388,10 +390,8 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     else:
         fin_arg = fin if fin is not None else parts
         cnt_arg = cnt if cnt is not None else parts
-        # the add-norm launch finishes the unfinished sums (no count) and zeroes them
-        sums = norm is not None and tc.norm_finish() == "sums"
         res, nrm, nw, nb, stats, rcnt, eps = tc.norm_args(
-            None if sums else norm, fin_arg, parts, cnt_arg, workspace if clean else None,
+            None if from_sums else norm, fin_arg, parts, cnt_arg, workspace if clean else None,
             ops.workspace_numel(rows.shape[0], d_out))
         tc.launch(_head_out_kernel,
                   lambda m: (rows.shape[0], triton.cdiv(j, m["BLOCK_N"] * m["TILES"]),
@@ -402,11 +402,11 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
                   rows.stride(0), tc.idx_stride(sel), wo_t.stride(0), wo_t.stride(1),
                   parts.stride(1), stats.stride(0) if norm is not None else 0,
                   parts.stride(0) if det else 0,
-                  ATOMIC=not det, FUSED=fin is not None and not sums, HAS_B=b is not None,
+                  ATOMIC=not det, FUSED=fin is not None and not from_sums, HAS_B=b is not None,
                   CLEAN=clean, EARLY=early and tc.early_ids(),
-                  NORM=norm is not None and not sums, HAS_NB=nb is not None,
+                  NORM=norm is not None and not from_sums, HAS_NB=nb is not None,
                   **tc.norm_meta(d_out), fixed=fixed if det else None)
-        if sums:
+        if from_sums:
             return tc.add_norm_sums(parts[0], b, *norm, clean=clean)
         if norm is not None:
             shape = norm[0].shape

@@ -502,8 +502,9 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     det, gated = deterministic(), w_up is not None
     n_rows, union_ids = rows.shape[0], shared(sel, rows.shape[0])
     n_pre = 2 if gated else 1
-    sums = norm is not None and norm_finish() == "sums"  # the add-norm launch finishes
-    if norm is not None and (not (sums or norm_in_finish("mlp")) or stores_rows()
+    # the add-norm launch finishes the down kernel's unfinished sums and zeroes them
+    from_sums = norm is not None and norm_finish() == "sums"
+    if norm is not None and (not (from_sums or norm_in_finish("mlp")) or stores_rows()
                              or not fuses_finish(det, union_ids)):
         return add_norm(sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead),
                         *norm)
@@ -521,14 +522,14 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     pre, out, cnt, fin, clean = _targets(det, n_pre, n_rows, k, d, d_out, x.device,
                                          x.dtype, union=union_ids, workspace=workspace)
     # (fin: the fused finish, which a norm needs, is checked above)
-    fused = None if norm is None or sums else norm_args(norm, fin, out[0], cnt, workspace,
+    fused = None if norm is None or from_sums else norm_args(norm, fin, out[0], cnt, workspace,
                                                         workspace_numel(n_rows, d_out, k, gated))
     # on a workspace no fill runs: the kernel before the up kernel is another op's
     _launch_up(rows, sel, w1, w_up if gated else w1, pre[0, 0], pre[0, -1], pre, gated, det,
                after=clean is None, early=ahead and early_ids())
     _launch_down(total(pre, det), sel, b1, w2_t, out, act, gated, det, fin, b2, cnt, clean,
-                 fused, finish=not sums)
-    if sums:
+                 fused, finish=not from_sums)
+    if from_sums:
         return add_norm_sums(out[0], b2, *norm, clean=clean is not None)
     if fused is not None:
         shape = norm[0].shape
