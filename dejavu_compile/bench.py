@@ -862,10 +862,10 @@ _DEJAVU_MODES = {
     # dejavu_captured_qkv_pdl with each residual add and layer norm after a sparse MLP or
     # output projection (option fuse_norm, on by default since the thirty-seventh session)
     # done by that op's reducing kernel (triton_common.NORM_FINISH_ENV "last"), in an add-norm
-    # launch of its own after the op ("kernel", the default: the same step as
-    # dejavu_captured_qkv_pdl), the MLP's in its down kernel and the output projection's
-    # in such a launch ("mixed"), and in such launches that also finish the reducing kernels'
-    # sums ("sums"; kernel_switches)
+    # launch of its own after the op ("kernel", the default of the thirty-seventh session),
+    # the MLP's in its down kernel and the output projection's in such a launch ("mixed"),
+    # and in such launches that also finish the reducing kernels' sums ("sums", the default
+    # since the thirty-eighth: the same step as dejavu_captured_qkv_pdl; kernel_switches)
     "dejavu_captured_qkv_norm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "fuse_norm": True}),
     "dejavu_captured_qkv_normk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,

@@ -208,22 +208,27 @@ class DejavuOptions:
         ``dejavu::sparse_head_out_norm``, which return the sum and its norm
         (``passes/lower.py::fuse_norms``); anything else (an RMS norm: Llama, Gemma) is left
         as it is and counted (``fuse_norm_skipped``). On CUDA (``kernels/triton_common.py``,
-        ``DEJAVU_NORM_FINISH``) the op runs as without the norm and one add-norm launch of
-        ours follows (``add_norm``: a row a program, held in registers, the norm's weight and
-        bias loaded before its wait), in place of Inductor's fused add and layer norm, which
-        loops over a row of 5120 twice; with ``last``, the reducing kernel's last programs
-        normalise the row instead (``finish_norm_last``: one kernel fewer a norm); with
-        ``sums`` those kernels leave their sums unfinished and the add-norm launch finishes
-        them (not yet measured). The norm's mean and variance are summed in another order than
-        Inductor's, so the outputs can differ in their last bits; the CPU reference computes
-        the same ops as the graph it replaces. On by default: on an H200 (BENCHMARKS.md,
-        thirty-seventh session, bench modes ``dejavu_captured_qkv_normk_pdl`` and
-        ``dejavu_captured_qkv_nonorm_pdl``, the latter as the default step was before)
-        OPT-13B's step ran 3.54, 3.71, 3.67 and 3.58 ms with the add-norm launches against
-        3.82, 3.81, 3.77 and 3.72 without the option, in four rounds side by side: 1.8 us a
-        norm against Inductor's 2.6. The finish in the last programs was slower than either
-        (thirty-sixth session: 3.88 and 3.74 ms against 3.63 and 3.67 without; the finish, a
-        chain of memory round trips, added 1.9-5.8 us to each call of the two kernels).
+        ``DEJAVU_NORM_FINISH``) the op's reducing kernel leaves its fp32 sums unfinished (no
+        counter, no last program) and one add-norm launch of ours follows
+        (``add_norm_sums``: a row a program, held in registers, the norm's weight and bias
+        loaded before its wait), which adds the op's bias, rounds, adds the residual,
+        normalises and zeroes the sums, in place of the reducing kernel's finish and of
+        Inductor's fused add and layer norm, which loops over a row of 5120 twice; with
+        ``kernel`` the op finishes as without the norm and the add-norm launch reads its
+        output; with ``last``, the reducing kernel's last programs normalise the row instead
+        (``finish_norm_last``: one kernel fewer a norm). The norm's mean and variance are
+        summed in another order than Inductor's, so the outputs can differ in their last
+        bits; the CPU reference computes the same ops as the graph it replaces. On by default:
+        on an H200 (BENCHMARKS.md, thirty-seventh session, bench modes
+        ``dejavu_captured_qkv_normk_pdl`` and ``dejavu_captured_qkv_nonorm_pdl``, the latter
+        as the default step was before) OPT-13B's step ran 3.54, 3.71, 3.67 and 3.58 ms with
+        the add-norm launches (``kernel``) against 3.82, 3.81, 3.77 and 3.72 without the
+        option, in four rounds side by side: 1.8 us a norm against Inductor's 2.6; with the
+        sums finished there (``sums``, the default since the thirty-eighth session) 3.63,
+        3.48 and 3.49 ms against 3.68, 3.69 and 3.71 with ``kernel``. The finish in the last
+        programs was slower than either (thirty-sixth session: 3.88 and 3.74 ms against 3.63
+        and 3.67 without; the finish, a chain of memory round trips, added 1.9-5.8 us to each
+        call of the two kernels).
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes

@@ -337,8 +337,8 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     ``torch.ops.dejavu.sparse_head_out_norm``, returning (residual + output, its layer norm),
     finished by the per-row kernel itself as ``sparse_mlp.sparse_mlp``'s (``workspace`` then
     has ``ops.norm_numel`` values more), otherwise (or where ``tc.norm_in_finish`` says not)
-    by one ``tc.add_norm`` launch after the op, or with ``DEJAVU_NORM_FINISH=sums`` by
-    ``tc.add_norm_sums`` from the kernel's unfinished sums."""
+    by one ``tc.add_norm`` launch after the op, or with ``DEJAVU_NORM_FINISH=sums`` (the
+    default) by ``tc.add_norm_sums`` from the kernel's unfinished sums."""
     tc.check_dtype("sparse_head_out", attn, wo_t, b)
     rows = _rows(attn)
     sel = tc.selection(idx, rows.shape[0], wo_t.shape[0] // head_dim, union)

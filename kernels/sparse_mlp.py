@@ -487,8 +487,8 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     (``triton_common.finish_norm_last``; ``workspace`` then has ``ops.norm_numel`` values
     more); otherwise, or where ``triton_common.norm_in_finish`` says not, one
     ``triton_common.add_norm`` launch computes them after the op, or with
-    ``DEJAVU_NORM_FINISH=sums`` ``triton_common.add_norm_sums`` from the down kernel's
-    unfinished sums.
+    ``DEJAVU_NORM_FINISH=sums`` (the default) ``triton_common.add_norm_sums`` from the down
+    kernel's unfinished sums.
     """
     check_dtype("sparse_mlp", x, w1, b1, w_up, w2_t, b2)
     d, d_out = x.shape[-1], w2_t.shape[1]

@@ -347,29 +347,31 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res, h_row,
 
 # How ``sparse_mlp_norm`` and ``sparse_head_out_norm`` (option ``fuse_norm``) finish their
 # residual add and layer norm on CUDA where the reducing kernel could (per-row ids and
-# atomics): "kernel", the default, the op ends as it does without the norm and one
-# ``add_norm`` launch follows, a row in registers per program in place of Inductor's fused
-# kernel, which loops over the row twice (a row of 5120 is longer than the 1024 it holds in
-# registers): 1.8 us a norm against 2.6 in OPT-13B's step on an H200, and the step 0.10-0.28
-# ms faster in four rounds (BENCHMARKS.md, thirty-seventh session); "last", in that kernel's
-# last programs (``finish_norm_last``), one launch fewer but a chain of memory round trips at
-# the end of the kernel, slower (thirty-sixth session); "mixed", the MLP's in the down
-# kernel's last programs and the output projection's in an ``add_norm`` launch (its kernel
-# already spills at the shipped tile, and the finish made it 5.8 us a call slower, the down
-# kernel 1.9 us), 3.67 against 3.54 ms for "kernel" in one round; "sums", the reducing
-# kernel leaves its fp32 sums unfinished (no count, no last program) and the ``add_norm``
-# launch adds the op's bias to them, rounds, adds the residual, normalises, and zeroes the
-# sums (``add_norm_sums``): the finish the thirteenth session timed at 2.7 us a call of the
-# down kernel moves into a launch that runs anyway (not yet measured). ``dejavu bench`` modes
-# ``dejavu_captured_qkv_norm_pdl``, ``dejavu_captured_qkv_normm_pdl`` and
-# ``dejavu_captured_qkv_norms_pdl`` set the last three.
+# atomics): "sums", the default, the reducing kernel leaves its fp32 sums unfinished (no
+# count, no last program) and one ``add_norm`` launch after the op adds the op's bias to
+# them, rounds, adds the residual, normalises and zeroes the sums (``add_norm_sums``): in
+# OPT-13B's step on an H200 the down kernel 1.9 us a call faster and the output projection
+# 1.6, the add-norm launches 0.3 us a norm slower, and the step 3.63, 3.48 and 3.49 ms
+# against 3.68, 3.69 and 3.71 for "kernel" side by side (BENCHMARKS.md, thirty-eighth
+# session); "kernel", the op ends as it does without the norm and an ``add_norm`` launch
+# follows, a row in registers per program in place of Inductor's fused kernel, which loops
+# over the row twice (a row of 5120 is longer than the 1024 it holds in registers): 1.8 us
+# a norm against 2.6, and the step 0.10-0.28 ms faster in four rounds (thirty-seventh
+# session); "last", in that kernel's last programs (``finish_norm_last``), one launch fewer
+# but a chain of memory round trips at the end of the kernel, slower (thirty-sixth
+# session); "mixed", the MLP's in the down kernel's last programs and the output
+# projection's in an ``add_norm`` launch (its kernel already spills at the shipped tile, and
+# the finish made it 5.8 us a call slower, the down kernel 1.9 us), 3.67 against 3.54 ms for
+# "kernel" in one round. ``dejavu bench`` modes ``dejavu_captured_qkv_normk_pdl``,
+# ``dejavu_captured_qkv_norm_pdl`` and ``dejavu_captured_qkv_normm_pdl`` set the last three,
+# ``dejavu_captured_qkv_norms_pdl`` the first (the default step said explicitly).
 NORM_FINISH_ENV = "DEJAVU_NORM_FINISH"
-NORM_FINISHES = ("kernel", "last", "mixed", "sums")
+NORM_FINISHES = ("sums", "kernel", "last", "mixed")
 
 
 def norm_finish() -> str:
     """Where a fused norm is computed on CUDA: one of ``NORM_FINISHES`` (``NORM_FINISH_ENV``;
-    unset is "kernel"). Any other value of the variable is an error."""
+    unset is "sums"). Any other value of the variable is an error."""
     asked = os.environ.get(NORM_FINISH_ENV, NORM_FINISHES[0])
     if asked not in NORM_FINISHES:
         raise ValueError(f"{NORM_FINISH_ENV}={asked!r}: set it to one of {NORM_FINISHES}")

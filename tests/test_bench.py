@@ -578,9 +578,10 @@ def test_only_the_early_modes_load_the_up_kernels_ids_before_the_wait(monkeypatc
 def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
     """``dejavu_captured_qkv_norm_pdl`` finishes every fused norm in the reducing kernels,
     ``dejavu_captured_qkv_normm_pdl`` the MLP's in its down kernel and the output projection's
-    in an add-norm launch, ``dejavu_captured_qkv_norms_pdl`` in add-norm launches that finish
-    the reducing kernels' sums, every other mode in add-norm launches (``DEJAVU_NORM_FINISH``
-    unset), whatever the environment said; the environment is restored;
+    in an add-norm launch, ``dejavu_captured_qkv_normk_pdl`` in add-norm launches after the
+    finished ops, every other mode in add-norm launches that finish the reducing kernels' sums
+    (``DEJAVU_NORM_FINISH`` unset, the default; ``dejavu_captured_qkv_norms_pdl`` says it),
+    whatever the environment said; the environment is restored;
     ``dejavu_captured_qkv_nonorm_pdl`` has no fused norm; an unknown value is an error naming
     the variable."""
     from dejavu_compile.kernels.triton_common import NORM_FINISH_ENV, norm_finish, norm_in_finish
@@ -596,6 +597,8 @@ def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
     with bench.kernel_switches("dejavu_captured_qkv_norms_pdl"):
         assert norm_finish() == "sums" and not norm_in_finish("mlp")
     with bench.kernel_switches("dejavu_captured_qkv_pdl"):
+        assert norm_finish() == "sums" and not norm_in_finish("head_out")
+    with bench.kernel_switches("dejavu_captured_qkv_normk_pdl"):
         assert norm_finish() == "kernel"
     assert os.environ[NORM_FINISH_ENV] == "mixed"
     modes = bench._DEJAVU_MODES
