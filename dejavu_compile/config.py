@@ -206,8 +206,9 @@ class DejavuOptions:
         inference dropout) into a residual add, and that sum into a layer norm with weight and
         bias (OPT's layers and its final norm), becomes ``dejavu::sparse_mlp_norm`` or
         ``dejavu::sparse_head_out_norm``, which return the sum and its norm
-        (``passes/lower.py::fuse_norms``); anything else (an RMS norm: Llama, Gemma) is left
-        as it is and counted (``fuse_norm_skipped``). On CUDA (``kernels/triton_common.py``,
+        (``passes/lower.py::fuse_norms``); anything else (an RMS norm: Llama, Gemma; Llama's
+        with option ``fuse_rms_norm``, below) is left as it is and counted
+        (``fuse_norm_skipped``). On CUDA (``kernels/triton_common.py``,
         ``DEJAVU_NORM_FINISH``) the op's reducing kernel leaves its fp32 sums unfinished (no
         counter, no last program) and one add-norm launch of ours follows
         (``add_norm_sums``: a row a program, held in registers, the norm's weight and bias
@@ -229,6 +230,15 @@ class DejavuOptions:
         programs was slower than either (thirty-sixth session: 3.88 and 3.74 ms against 3.63
         and 3.67 without; the finish, a chain of memory round trips, added 1.9-5.8 us to each
         call of the two kernels).
+    fuse_rms_norm: with ``fuse_norm``, Llama's RMS norm after a sparse op's residual add
+        (Llama, Mistral, Qwen2, SmolLM2: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+        with x the sum in fp32) is fused too (``passes/lower.py::_rms_norm_of``; the ops get
+        ``rms=True``): on CUDA the add-norm launch computes that norm, rounding where the
+        module does, and finishes the reducing kernel's sums as for a layer norm; on CPU the
+        reference computes the module's own ops. Gemma's norm (``1 + w`` in fp32, applied to
+        the op's output before the residual add) is no match and is left alone. Off by
+        default: correct on CPU under the Triton interpreter and compiled for sm_90, not yet
+        measured on a GPU (bench mode ``dejavu_captured_ahead_rms_pdl``).
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
@@ -270,6 +280,7 @@ class DejavuOptions:
     multi_kernel: bool = False
     inductor_pdl: bool | None = None
     fuse_norm: bool = True
+    fuse_rms_norm: bool = False
     shipped_configs: bool = True
     dump_dir: str | None = None
 
@@ -291,6 +302,8 @@ class DejavuOptions:
                 f"option 'attention_granularity' must be one of {GRANULARITIES}, "
                 f"got {self.attention_granularity!r}"
             )
+        if self.fuse_rms_norm and not self.fuse_norm:
+            raise ValueError("option 'fuse_rms_norm' needs fuse_norm=True")
         if self.fold_predictors and not self.fuse_linears:
             raise ValueError("option 'fold_predictors' needs fuse_linears=True")
         if self.batch_selection not in BATCH_SELECTIONS:

@@ -35,9 +35,9 @@ if __name__ != "kernels":
 
     @ops.sparse_mlp_norm.register_kernel("cuda")
     def _mlp_norm(x, idx, w1, b1, w_up, w2_t, b2, act, residual, norm_w, norm_b, eps,
-                  union=False, keep=None, slot=-1, workspace=None):
+                  union=False, keep=None, slot=-1, workspace=None, rms=False):
         lookahead.join(x.device, slot)
-        norm = (residual, norm_w, norm_b, eps)
+        norm = (residual, norm_w, norm_b, eps, rms)
         if not HAVE_TRITON:
             return reference.add_norm(_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union), *norm)
         return _mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead=slot >= 0,
@@ -46,9 +46,9 @@ if __name__ != "kernels":
     if HAVE_TRITON:
         @ops.sparse_head_out_norm.register_kernel("cuda")
         def _head_out_norm(attn, idx, wo_t, b, head_dim, residual, norm_w, norm_b, eps,
-                           union=False, workspace=None, early=False):
+                           union=False, workspace=None, early=False, rms=False):
             return heads.sparse_head_out(attn, idx, wo_t, b, head_dim, union, workspace, early,
-                                         norm=(residual, norm_w, norm_b, eps))
+                                         norm=(residual, norm_w, norm_b, eps, rms))
 
     ops.sparse_head_proj.register_kernel("cuda")(lookahead.waiting(_head_proj, 6))
     ops.select_predictor.register_kernel("cuda")(predictor.select_predictor)

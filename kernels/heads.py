@@ -349,7 +349,7 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     if norm is not None:
         tc.check_norm("sparse_head_out_norm", attn, d_out, *norm)
         if reads_columns(wo_t, head_dim) or not tc.fuses_finish(det, shared) \
-                or not (from_sums or tc.norm_in_finish("head_out")):
+                or not (from_sums or tc.norm_in_finish("head_out", norm)):
             return tc.add_norm(sparse_head_out(attn, idx, wo_t, b, head_dim, union, workspace,
                                                early), *norm)
     if reads_columns(wo_t, head_dim):

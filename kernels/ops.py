@@ -194,7 +194,8 @@ def _check_norm(name, y_shape, residual, norm_w) -> None:
 # The two ops below are a sparse op followed by the residual add and layer norm that read its
 # output (``passes/lower.py::fuse_norms``, option ``fuse_norm``): on CUDA the reducing kernel
 # that finishes the op's outputs also adds the residual and normalises the row, so no layer
-# norm kernel runs after it. Returned: (residual + output, layer_norm(residual + output)).
+# norm kernel runs after it. Returned: (residual + output, layer_norm(residual + output));
+# with ``rms``, Llama's RMS norm in place of the layer norm.
 
 
 @torch.library.custom_op(f"{_LIB}::sparse_mlp_norm", mutates_args=())
@@ -215,18 +216,20 @@ def sparse_mlp_norm(
     keep: torch.Tensor | None = None,
     slot: int = -1,
     workspace: torch.Tensor | None = None,
+    rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sparse_mlp``, then ``h = residual + output`` and ``layer_norm(h)`` over the last dim
-    with ``norm_w`` and ``norm_b``: returns (h, the normalised h). ``workspace``:
-    ``workspace_numel`` plus ``norm_numel`` values."""
+    with ``norm_w`` and ``norm_b`` (``rms``: Llama's RMS norm with ``norm_w``, no bias;
+    ``reference.add_norm``): returns (h, the normalised h). ``workspace``: ``workspace_numel``
+    plus ``norm_numel`` values."""
     y = ref.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union)
     _check_norm("sparse_mlp_norm", y.shape, residual, norm_w)
-    return ref.add_norm(y, residual, norm_w, norm_b, eps)
+    return ref.add_norm(y, residual, norm_w, norm_b, eps, rms)
 
 
 @sparse_mlp_norm.register_fake
 def _(x, idx, w1, b1, w_up, w2_t, b2, act, residual, norm_w, norm_b, eps, union=False,
-      keep=None, slot=-1, workspace=None):
+      keep=None, slot=-1, workspace=None, rms=False):
     return torch.empty_like(residual), torch.empty_like(residual)
 
 
@@ -244,16 +247,18 @@ def sparse_head_out_norm(
     union: bool = False,
     workspace: torch.Tensor | None = None,
     early: bool = False,
+    rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sparse_head_out``, then the residual add and layer norm as ``sparse_mlp_norm``."""
+    """``sparse_head_out``, then the residual add and layer (or RMS) norm as
+    ``sparse_mlp_norm``."""
     y = ref.sparse_head_out(attn, idx, wo_t, b, head_dim, union)
     _check_norm("sparse_head_out_norm", y.shape, residual, norm_w)
-    return ref.add_norm(y, residual, norm_w, norm_b, eps)
+    return ref.add_norm(y, residual, norm_w, norm_b, eps, rms)
 
 
 @sparse_head_out_norm.register_fake
 def _(attn, idx, wo_t, b, head_dim, residual, norm_w, norm_b, eps, union=False, workspace=None,
-      early=False):
+      early=False, rms=False):
     return torch.empty_like(residual), torch.empty_like(residual)
 
 

@@ -238,10 +238,20 @@ def sparse_head_proj(x, idx, w, b, head_dim: int, union: bool = False) -> torch.
     return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def add_norm(y, residual, norm_w, norm_b, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm(y, residual, norm_w, norm_b, eps: float,
+             rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and layer norm after a sparse op (``ops.sparse_mlp_norm``): y and
-    residual [..., d] -> (h = residual + y, layer_norm(h) over d), both in residual's dtype."""
+    residual [..., d] -> (h = residual + y, layer_norm(h) over d), both in residual's dtype.
+    ``rms``: Llama's RMS norm instead (no bias), as its module computes it: h in fp32 times
+    the reciprocal root of its mean square plus eps, rounded to h's dtype, then times the
+    weight in that dtype."""
     h = residual + y.reshape(residual.shape)
+    if rms:
+        if norm_b is not None:
+            raise ValueError("add_norm: an RMS norm takes no bias")
+        hf = h.to(torch.float32)
+        normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        return h, norm_w * normed.to(h.dtype)
     return h, torch.nn.functional.layer_norm(h, (h.shape[-1],), norm_w, norm_b, eps)
 
 

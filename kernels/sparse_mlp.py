@@ -504,7 +504,7 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     n_pre = 2 if gated else 1
     # the add-norm launch finishes the down kernel's unfinished sums and zeroes them
     from_sums = norm is not None and norm_finish() == "sums"
-    if norm is not None and (not (from_sums or norm_in_finish("mlp")) or stores_rows()
+    if norm is not None and (not (from_sums or norm_in_finish("mlp", norm)) or stores_rows()
                              or not fuses_finish(det, union_ids)):
         return add_norm(sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, union, workspace, ahead),
                         *norm)

@@ -378,11 +378,20 @@ def norm_finish() -> str:
     return asked
 
 
-def norm_in_finish(op: str) -> bool:
+def norm_in_finish(op: str, norm=None) -> bool:
     """Whether the reducing kernel of ``op`` ("mlp" or "head_out") finishes a fused norm
-    itself (``norm_finish``), rather than an ``add_norm`` launch after the op."""
+    itself (``norm_finish``), rather than an ``add_norm`` launch after the op. An RMS norm
+    (``norm`` = (residual, weight, bias, eps, True)) never is: ``finish_norm_last`` computes
+    layer norms only, so with "last" or "mixed" its op finishes and an add-norm launch
+    follows."""
     asked = norm_finish()
-    return asked == "last" or (asked == "mixed" and op == "mlp")
+    return (asked == "last" or (asked == "mixed" and op == "mlp")) and not is_rms(norm)
+
+
+def is_rms(norm) -> bool:
+    """Whether a fused op's ``norm`` tuple (residual, weight, bias or None, eps[, rms]) asks
+    for Llama's RMS norm rather than a layer norm."""
+    return norm is not None and len(norm) > 4 and bool(norm[4])
 
 
 @triton.jit
@@ -391,11 +400,12 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
                      stride_y, stride_r, stride_h, stride_n,
                      HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                      SUMS: tl.constexpr = False, HAS_YB: tl.constexpr = False,
-                     CLEAN: tl.constexpr = False):
+                     CLEAN: tl.constexpr = False, RMS: tl.constexpr = False):
     # one program a row, the whole row in registers: the weight and biases load before the
     # wait (they are no kernel's output), the row after it, then no memory until the stores.
     # SUMS: y is a reducing kernel's fp32 sums, finished here as ``finish_last`` would (the
-    # op's bias ``yb`` added, rounded to the rows' dtype); CLEAN: and left zero (a workspace)
+    # op's bias ``yb`` added, rounded to the rows' dtype); CLEAN: and left zero (a workspace);
+    # RMS: Llama's RMS norm (``reference.add_norm``) in place of the layer norm
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -418,30 +428,41 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
     h = (r.to(tl.float32) + y).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * stride_h + offs, h, mask=mask)
     hf = h.to(tl.float32)
-    dev = tl.where(mask, hf - tl.sum(hf, 0) / N, 0.0)
-    out = dev * (1.0 / tl.sqrt(tl.sum(dev * dev, 0) / N + eps)) * w
-    if HAS_B:
-        out += nb
+    if RMS:
+        # h times the reciprocal root of its mean square, rounded to the rows' dtype, then
+        # times the weight, rounded again: Llama's module, op for op
+        scaled = hf * (1.0 / tl.sqrt(tl.sum(hf * hf, 0) / N + eps))
+        out = scaled.to(n_ptr.dtype.element_ty).to(tl.float32) * w
+    else:
+        dev = tl.where(mask, hf - tl.sum(hf, 0) / N, 0.0)
+        out = dev * (1.0 / tl.sqrt(tl.sum(dev * dev, 0) / N + eps)) * w
+        if HAS_B:
+            out += nb
     tl.store(n_ptr + row * stride_n + offs, out.to(n_ptr.dtype.element_ty), mask=mask)
 
 
 def add_norm(y: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
-             norm_b: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+             norm_b: torch.Tensor | None, eps: float,
+             rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.add_norm`` in one launch: y (any shape with residual's rows of d) and
     residual [..., d] -> (h = residual + y, layer_norm(h) over d with ``norm_w`` and
-    ``norm_b``), both shaped and typed as residual. One program a row holds the row in
-    registers (two-pass statistics from registers, no cancellation)."""
+    ``norm_b``, or with ``rms`` Llama's RMS norm with ``norm_w``), both shaped and typed as
+    residual. One program a row holds the row in registers (two-pass statistics from
+    registers, no cancellation)."""
     check_dtype("add_norm", y, residual, norm_w, norm_b)
     d = residual.shape[-1]
     if y.numel() != residual.numel() or y.dtype != residual.dtype:
         raise ValueError(f"add_norm: y must be {residual.dtype} with {residual.numel()} values "
                          f"(the residual's), got {y.dtype} {tuple(y.shape)}")
     rows, res = y.reshape(-1, d).contiguous(), residual.reshape(-1, d).contiguous()
-    return _launch_add_norm(rows, None, res, norm_w.contiguous(), norm_b, eps, residual.shape)
+    return _launch_add_norm(rows, None, res, norm_w.contiguous(), norm_b, eps, residual.shape,
+                            rms=rms)
 
 
 def _launch_add_norm(rows, y_bias, res, w, norm_b, eps, shape, sums: bool = False,
-                     clean: bool = False):
+                     clean: bool = False, rms: bool = False):
+    if rms and norm_b is not None:
+        raise ValueError("add_norm: an RMS norm takes no bias")
     h, normed = torch.empty_like(res), torch.empty_like(res)
     block = triton.next_power_of_2(res.shape[1])
     _add_norm_kernel[(res.shape[0],)](
@@ -450,17 +471,18 @@ def _launch_add_norm(rows, y_bias, res, w, norm_b, eps, shape, sums: bool = Fals
         normed, res.shape[1], float(eps),
         rows.stride(0), res.stride(0), h.stride(0), normed.stride(0),
         HAS_B=norm_b is not None, BLOCK=block, SUMS=sums, HAS_YB=y_bias is not None,
-        CLEAN=clean, num_warps=min(16, max(1, block // 256)), **pdl_meta())
+        CLEAN=clean, RMS=rms, num_warps=min(16, max(1, block // 256)), **pdl_meta())
     return h.reshape(shape), normed.reshape(shape)
 
 
 def add_norm_sums(sums: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                   norm_w: torch.Tensor, norm_b: torch.Tensor | None, eps: float,
-                  clean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  rms: bool = False, *, clean: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_norm`` of a reducing kernel's unfinished output (``DEJAVU_NORM_FINISH=sums``):
     sums [R, d] fp32 (row stride free, columns contiguous), the op's ``bias`` [d] or None ->
-    (h = residual + round(sums + bias), layer_norm(h)), shaped and typed as residual [..., d].
-    ``clean``: the sums are left zero (a workspace kept zero between calls)."""
+    (h = residual + round(sums + bias), layer_norm(h), or with ``rms`` Llama's RMS norm),
+    shaped and typed as residual [..., d]. ``clean``: the sums are left zero (a workspace kept
+    zero between calls)."""
     check_dtype("add_norm", bias, residual, norm_w, norm_b)
     d = residual.shape[-1]
     if sums.dtype != torch.float32 or sums.dim() != 2 or sums.shape[1] != d \
@@ -470,7 +492,7 @@ def add_norm_sums(sums: torch.Tensor, bias: torch.Tensor | None, residual: torch
     res = residual.reshape(-1, d).contiguous()
     y_bias = None if bias is None else bias.contiguous()
     return _launch_add_norm(sums, y_bias, res, norm_w.contiguous(), norm_b, eps,
-                            residual.shape, sums=True, clean=clean)
+                            residual.shape, sums=True, clean=clean, rms=rms)
 
 
 def norm_meta(d_out: int) -> dict:
@@ -508,7 +530,9 @@ def norm_args(norm, fin: torch.Tensor, parts: torch.Tensor, cnt: torch.Tensor,
     counters (``cnt``) stand in for tensors of the same dtypes: one tuning key for both."""
     if norm is None:
         return fin, fin, fin, None, parts, cnt, 0.0
-    residual, norm_w, norm_b, eps = norm
+    if is_rms(norm):  # (``norm_in_finish`` sends RMS norms to an add-norm launch)
+        raise ValueError("finish_norm_last computes layer norms only, not an RMS norm")
+    residual, norm_w, norm_b, eps = norm[:4]
     n_rows, d_out = fin.shape
     stats, rcnt = norm_buffers(n_rows, d_out, fin.device, workspace, at)
     return (residual.reshape(n_rows, d_out).contiguous(), torch.empty_like(fin), norm_w, norm_b,
@@ -637,10 +661,14 @@ def column_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "UNROLL": u}, num_warps=w) for m, u, w in shapes]
 
 
-def check_norm(name: str, x: torch.Tensor, d_out: int, residual, norm_w, norm_b, eps) -> None:
+def check_norm(name: str, x: torch.Tensor, d_out: int, residual, norm_w, norm_b, eps,
+               rms: bool = False) -> None:
     """Raise a clear error for a residual or layer norm the fused finish cannot take: the
-    residual in x's dtype with d_out values a row, the weight and bias [d_out]."""
+    residual in x's dtype with d_out values a row, the weight and bias [d_out], no bias for
+    an RMS norm."""
     check_dtype(name, residual, norm_w, norm_b)
+    if rms and norm_b is not None:
+        raise ValueError(f"{name}: an RMS norm takes no bias")
     if residual.dtype != x.dtype or residual.shape[-1] != d_out \
             or residual.numel() != x.numel() // x.shape[-1] * d_out:
         raise ValueError(f"{name}: the residual must be {x.dtype} [..., {d_out}] with the input's "

@@ -647,16 +647,98 @@ def _layer_norm_of(total: fx.Node):
     return None
 
 
+def _method_or_function(node, method: str, functions: tuple) -> bool:
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target == method)
+        or (node.op == "call_function" and node.target in functions))
+
+
+def _cast_to(node, dtype) -> bool:
+    """``node`` is ``x.to(dtype)`` (positional or ``dtype=``), nothing else asked of it."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to"):
+        return False
+    if len(node.args) == 2 and not node.kwargs:
+        return node.args[1] == dtype
+    return len(node.args) == 1 and node.kwargs == {"dtype": dtype}
+
+
+def _only_user(node: fx.Node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _rms_norm_of(total: fx.Node):
+    """Llama's RMS norm (``LlamaRMSNorm``) reading ``total`` (directly or through one view):
+    ``w * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)`` with ``x =
+    total.to(float32)``, every node between read by the next one only (``x`` by the square
+    and the product), the weight [d] in the sum's dtype: (the product with the weight, the
+    view or None, the weight, eps, the norm's nodes from its last); else None. Gemma's norm,
+    ``(1 + w)`` in fp32, is no match."""
+    val = fake_value(total)
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    d = val.shape[-1]
+    for user in total.users:
+        reads = [user] + ([u for u in user.users] if _same_rows(user) else [])
+        for x in reads:
+            if not (_cast_to(x, torch.float32) and x.args[0] is (total if x is user else user)
+                    and len(x.users) == 2):
+                continue
+            square = next((u for u in x.users if _method_or_function(
+                u, "pow", (torch.pow, operator.pow)) and u.args[1:] == (2,) and not u.kwargs),
+                None)
+            mean = _only_user(square) if square is not None else None
+            if not (_method_or_function(mean, "mean", (torch.mean,)) and mean.args[0] is square
+                    and tuple(mean.args[1:]) in ((-1,), ([-1],), (d - 1,), ([d - 1],))
+                    and mean.kwargs == {"keepdim": True}):
+                continue
+            shift = _only_user(mean)
+            if not (isinstance(shift, fx.Node) and shift.op == "call_function"
+                    and shift.target in (operator.add, torch.add) and len(shift.args) == 2
+                    and shift.args[0] is mean and isinstance(shift.args[1], float)
+                    and not shift.kwargs):
+                continue
+            root = _only_user(shift)
+            if not (_method_or_function(root, "rsqrt", (torch.rsqrt,)) and root.args == (shift,)
+                    and not root.kwargs):
+                continue
+            scaled = _only_user(root)
+            if not (isinstance(scaled, fx.Node) and scaled.op == "call_function"
+                    and scaled.target in (operator.mul, torch.mul) and not scaled.kwargs
+                    and set(scaled.args) == {x, root} and len(scaled.args) == 2
+                    and set(x.users) == {square, scaled}):
+                continue
+            back = _only_user(scaled)
+            if not (_cast_to(back, val.dtype) and back.args[0] is scaled):
+                continue
+            out = _only_user(back)
+            if not (isinstance(out, fx.Node) and out.op == "call_function"
+                    and out.target in (operator.mul, torch.mul) and len(out.args) == 2
+                    and not out.kwargs and back in out.args):
+                continue
+            weight = out.args[1] if out.args[0] is back else out.args[0]
+            w = fake_value(weight) if isinstance(weight, fx.Node) else None
+            if not (isinstance(w, torch.Tensor) and tuple(w.shape) == (d,)
+                    and w.dtype == val.dtype):
+                continue
+            chain = [out, back, scaled, root, shift, mean, square, x]
+            return out, (user if x is not user else None), weight, shift.args[1], chain
+    return None
+
+
 def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Option ``fuse_norm``: ``ln(residual + op(...))``, the sparse MLP's or output
     projection's output through an inference dropout into a residual add, and that sum (or a
-    view of it) into a layer norm with a weight, becomes one ``dejavu::sparse_mlp_norm`` or
-    ``dejavu::sparse_head_out_norm`` returning (the sum, its norm); the sum's other readers (the
-    next residual add) read the first. On CUDA one add-norm launch of ours follows the op
-    (``kernels/triton_common.py::add_norm``), or with ``DEJAVU_NORM_FINISH=last`` the op's
-    reducing kernel does the add and the norm in its finish (``finish_norm_last``). Anything
-    else (an RMS norm, a norm without a weight, another user of the op's output) is left as
-    it is (``fuse_norm_skipped``)."""
+    view of it) into a layer norm with a weight, or with option ``fuse_rms_norm`` into
+    Llama's RMS norm (``_rms_norm_of``; the op then gets ``rms=True`` and the count
+    ``fuse_norm_rms``), becomes one
+    ``dejavu::sparse_mlp_norm`` or ``dejavu::sparse_head_out_norm`` returning (the sum, its
+    norm); the sum's other readers (the next residual add) read the first. On CUDA one
+    add-norm launch of ours follows the op and finishes its reducing kernel's sums
+    (``kernels/triton_common.py::add_norm_sums``; ``DEJAVU_NORM_FINISH`` picks other places
+    for a layer norm). Anything else (an RMS norm without ``fuse_rms_norm``; Gemma's, which
+    scales by ``1 + w`` in fp32 and reads the op's output before the residual add; a norm
+    without a weight; another user of the op's output) is left as it is
+    (``fuse_norm_skipped``)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
@@ -675,18 +757,26 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             continue
         residual = total.args[1] if total.args[0] is out else total.args[0]
         found = _layer_norm_of(total) if residual is not out else None  # (not out + out)
+        rms = found is None and residual is not out and ctx.options.fuse_rms_norm \
+            and _rms_norm_of(total)
         res, val = fake_value(residual) if isinstance(residual, fx.Node) else None, \
             fake_value(out)
-        if found is None or not isinstance(res, torch.Tensor) or res.shape != val.shape \
+        if not (found or rms) or not isinstance(res, torch.Tensor) or res.shape != val.shape \
                 or res.dtype != val.dtype:
             ctx.counters.add("fuse_norm_skipped")
             continue
-        norm, view, weight, bias, eps = found
+        if rms:
+            norm, view, weight, eps, chain = rms
+            bias = None
+        else:
+            (norm, view, weight, bias, eps), chain = found, [found[0]]
         if any(isinstance(a, fx.Node) and order[a] > order[total] for a in (weight, bias)):
             ctx.counters.add("fuse_norm_skipped")  # (defined after the add: not a parameter)
             continue
         kwargs = dict(zip(after, node.args[n_args:], strict=False))  # (trailing ones may be kwargs)
         kwargs.update(node.kwargs)
+        if rms:
+            kwargs["rms"] = True
         with graph.inserting_before(total):
             fused = graph.call_function(getattr(torch.ops.dejavu, new_name).default,
                                         (*node.args[:n_args], residual, weight, bias, eps),
@@ -710,7 +800,8 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
         for key, block_input in list(ctx.inputs.items()):
             if block_input is norm or block_input is total:
                 ctx.inputs[key] = normed if block_input is norm else parts[0]
-        graph.erase_node(norm)
+        for gone in chain:  # the norm's nodes, its last first
+            graph.erase_node(gone)
         if view is not None and not view.users:
             graph.erase_node(view)
         total.replace_all_uses_with(parts[0])
@@ -719,6 +810,8 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             graph.erase_node(out)
         graph.erase_node(node)
         ctx.counters.add(f"fuse_norm[{name}]")
+        if rms:
+            ctx.counters.add("fuse_norm_rms")
 
 
 def _is_dejavu(node: fx.Node) -> bool:

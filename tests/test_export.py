@@ -131,16 +131,22 @@ def test_dump_dir_holds_each_pass(tiny, tmp_path, monkeypatch):
     assert len(list((tmp_path / "by-env").iterdir())) == 5
 
 
-def test_export_of_fused_norms_has_two_outputs(tiny, tmp_path):
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_export_of_fused_norms_has_two_outputs(tiny, tmp_path, arch):
     """With ``fuse_norm``, a tiny OPT's sparse layer exports its output projection and MLP as
     ``SparseHeadOutNorm`` and ``SparseMlpNorm``, each with two outputs (the residual sum and
-    its norm), in a model the ONNX checker accepts."""
-    model = tiny("opt")
+    its norm), in a model the ONNX checker accepts; with ``fuse_rms_norm`` a tiny Llama's do
+    too, with the ``rms`` attribute set (0 for OPT's layer norms)."""
+    model = tiny(arch)
     path, _ = _random_predictor_profile(model, tmp_path)
-    paths = dejavu_compile.export(model, tmp_path / "out", profile=str(path), fuse_norm=True)
+    option = "fuse_norm" if arch == "opt" else "fuse_rms_norm"
+    paths = dejavu_compile.export(model, tmp_path / "out", profile=str(path), **{option: True})
     proto = onnx.load(str(paths["graph.onnx"]))
     onnx.checker.check_model(proto)
     fused = [n for n in proto.graph.node if n.domain == ONNX_DOMAIN and n.op_type.endswith("Norm")]
-    assert sorted(n.op_type for n in fused) == ["SparseHeadOutNorm", "SparseMlpNorm"]
+    assert sorted({n.op_type for n in fused}) == ["SparseHeadOutNorm", "SparseMlpNorm"]
     assert all(len(n.output) == 2 for n in fused)
-    assert "torch.ops.dejavu.sparse_mlp_norm" in paths["graph.py"].read_text()
+    rms = int(arch == "llama")
+    assert all({a.name: a.i for a in n.attribute}.get("rms") == rms for n in fused), fused
+    text = paths["graph.py"].read_text()
+    assert "torch.ops.dejavu.sparse_mlp_norm" in text and ("rms = True" in text) == bool(rms)

@@ -15,6 +15,7 @@ from dejavu_compile.kernels import ops
 from dejavu_compile.kernels import reference as ref
 
 from dejavu_compile import bench
+from dejavu_compile.config import DejavuOptions
 
 from .conftest import deterministic_algorithms
 from .test_backend import _capture, _dejavu_nodes
@@ -41,15 +42,21 @@ def _norm_case(batch: int, d_out: int, dtype, bias: bool):
     return residual, weight, _rand(d_out, dtype=dtype, seed=13) if bias else None
 
 
-def _check(got, y64, residual, weight, bias, dtype):
+def _check(got, y64, residual, weight, bias, dtype, rms=False):
     """The sum against the fp64 reference; the norm against the layer norm of the kernel's own
-    sum (the sum is rounded to the dtype before the norm, as the graph it replaces did)."""
+    sum (the sum is rounded to the dtype before the norm, as the graph it replaces did); with
+    ``rms``, against Llama's RMS norm of that sum as ``reference.add_norm`` computes it."""
     h, normed = got
     assert h.shape == residual.shape and normed.shape == residual.shape
     want_h = residual.double() + y64.reshape(residual.shape)
     torch.testing.assert_close(h.double(), want_h, **TOL[dtype])
-    want_n = torch.nn.functional.layer_norm(
-        h.double(), (h.shape[-1],), weight.double(), None if bias is None else bias.double(), EPS)
+    if rms:
+        assert bias is None
+        want_n = ref.add_norm(torch.zeros_like(h), h, weight, None, EPS, rms=True)[1].double()
+    else:
+        want_n = torch.nn.functional.layer_norm(
+            h.double(), (h.shape[-1],), weight.double(), None if bias is None else bias.double(),
+            EPS)
     torch.testing.assert_close(normed.double(), want_n, **TOL[dtype])
 
 
@@ -167,14 +174,84 @@ def test_add_norm_sums_kernel(dtype, bias, clean):
     yb = _rand(d, dtype=dtype, seed=17) if bias else None
     y = sums.double() + (0 if yb is None else yb.double())
     y = y.to(dtype).double()  # the op's output as its finish rounds it
-    _check(tc.add_norm_sums(sums, yb, residual, weight, nb, EPS, clean), y, residual, weight,
-           nb, dtype)
+    _check(tc.add_norm_sums(sums, yb, residual, weight, nb, EPS, clean=clean), y, residual,
+           weight, nb, dtype)
     if clean:
         assert not sums.any() and torch.equal(buf[:, d:], before[:, d:])
     else:
         assert torch.equal(buf, before)
     with pytest.raises(ValueError, match="add_norm_sums: the sums must be fp32"):
-        tc.add_norm_sums(sums.half(), yb, residual, weight, nb, EPS, clean)
+        tc.add_norm_sums(sums.half(), yb, residual, weight, nb, EPS, clean=clean)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("d", [1, 23, 300])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_add_norm_kernel_with_an_rms_norm(dtype, d, rows):
+    """``rms``: the add-norm launch computes Llama's RMS norm of the rounded sum, the scaled
+    row rounded before the weight as the module does, from y or from a reducing kernel's fp32
+    sums (left zero with ``clean``); an RMS norm with a bias is refused."""
+    residual, weight, _ = _norm_case(rows, d, dtype, bias=False)
+    y = _rand(rows, d, dtype=dtype, seed=14)
+    _check(tc.add_norm(y, residual, weight, None, EPS, True), y.double(), residual, weight, None,
+           dtype, rms=True)
+    sums = _rand(rows, d, dtype=torch.float32, seed=16)
+    yb = _rand(d, dtype=dtype, seed=17)
+    want = (sums.double() + yb.double()).to(dtype).double()
+    _check(tc.add_norm_sums(sums, yb, residual, weight, None, EPS, True, clean=True), want,
+           residual, weight, None, dtype, rms=True)
+    assert not sums.any()
+    with pytest.raises(ValueError, match="RMS norm takes no bias"):
+        tc.add_norm(y, residual, weight, weight, EPS, True)
+
+
+@pytest.mark.parametrize("finish", tc.NORM_FINISHES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_norm_ops_with_an_rms_norm(finish, dtype, monkeypatch):
+    """Both ops with an RMS norm (``norm`` ending in True, as the CUDA registrations pass
+    ``rms``): in every ``DEJAVU_NORM_FINISH`` the result is the reference's and the workspace
+    is left zero; where the reducing kernel would finish a layer norm ("last", "mixed") it
+    finishes the op and an add-norm launch follows (no ``NORM`` in the kernel). The op's CPU
+    implementation computes ``reference.add_norm`` with ``rms``; a bias is refused."""
+    monkeypatch.setenv(tc.NORM_FINISH_ENV, finish)
+    normed = []
+    for module in (sparse_mlp, heads.tc):
+        real = module.launch
+
+        def spy(kernel, grid, *args, real=real, **meta):
+            normed.append(meta.get("NORM", False))
+            return real(kernel, grid, *args, **meta)
+
+        monkeypatch.setattr(module, "launch", spy)
+    x, idx, w1, b1, w_up, w2_t, b2 = _mlp_case(dtype, True, 0.3, 1)
+    k, d_out = idx.shape[-1], w2_t.shape[1]
+    residual, weight, _ = _norm_case(1, d_out, dtype, bias=False)
+    norm = (residual, weight, None, EPS, True)
+    y64 = _ref64(ref.sparse_mlp, x, idx, w1, b1, w_up, w2_t, b2, "silu")
+    space = torch.zeros(ops.workspace_numel(1, d_out, k, True) + ops.norm_numel(1, d_out),
+                        device=DEVICE)
+    for _ in range(2):
+        got = sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, "silu", workspace=space,
+                                    norm=norm)
+        _check(got, y64, residual, weight, None, dtype, rms=True)
+        assert not space.any()
+    n_heads, head_dim = 6, 12
+    attn = _rand(1, 1, n_heads * head_dim, dtype=dtype, seed=3)
+    wo_t = _rand(n_heads * head_dim, d_out, dtype=dtype, seed=4)
+    hidx = _selection(1, n_heads, 3).view(1, 1, 3)
+    space = torch.zeros(ops.workspace_numel(1, d_out) + ops.norm_numel(1, d_out), device=DEVICE)
+    for _ in range(2):
+        got = heads.sparse_head_out(attn, hidx, wo_t, None, head_dim, workspace=space, norm=norm)
+        _check(got, _ref64(ref.sparse_head_out, attn, hidx, wo_t, None, head_dim), residual,
+               weight, None, dtype, rms=True)
+        assert not space.any()
+    assert normed and not any(normed)
+    got = ops.sparse_mlp_norm(x, idx, w1, b1, w_up, w2_t, b2, "silu", residual, weight, None,
+                              EPS, rms=True)
+    _check(got, y64, residual, weight, None, dtype, rms=True)
+    with pytest.raises(ValueError, match="RMS norm takes no bias"):
+        sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, "silu",
+                              norm=(residual, weight, weight, EPS, True))
 
 
 def test_add_norm_refuses_what_does_not_fit():
@@ -304,18 +381,55 @@ def test_the_pass_fuses_opt_norms_and_keeps_the_logits(tmp_path):
     torch.testing.assert_close(runs[True], runs[False], atol=1e-5, rtol=1e-5)
 
 
-def test_rms_norms_are_left_alone(tiny):
-    """Llama's RMS norm is no layer norm: nothing is fused, and each sparse op is counted as
-    skipped; the logits are those without the option."""
+def test_the_pass_fuses_llama_rms_norms(tiny):
+    """Without option ``fuse_rms_norm`` (the default) Llama's RMS norms are left alone, each
+    sparse op counted as skipped. With it, the RMS norm after each sparse op's residual add
+    (the next block's norm, the final one after the last MLP) is fused with ``rms``: none of
+    those norms' nodes is left (one ``rsqrt``, the first layer's), the blocks' discovered
+    inputs are live nodes, and the logits are those without the option."""
     model = tiny("llama")
+    layers = model.config.num_hidden_layers
     options = {"selector": "oracle", "mlp_density": 0.5, "attention_density": 0.5}
     ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
-    plain, _ = _decode(model, options, ids, 2)
-    fused, graphs = _decode(model, {**options, "fuse_norm": True}, ids, 2)
+    plain, graphs = _decode(model, options, ids, 2)
+    rsqrt = [n for n in graphs[-1][0].graph.nodes if n.target == torch.rsqrt]
+    assert len(rsqrt) == 2 * layers + 1
+    counters = graphs[-1][1].counters.values
+    assert not any(k.startswith("fuse_norm[") for k in counters)
+    assert counters["fuse_norm_skipped"] == 2 * layers
+    fused, graphs = _decode(model, {**options, "fuse_rms_norm": True}, ids, 2)
+    gm, ctx = graphs[-1]
+    counters = ctx.counters.values
+    assert counters["fuse_norm[sparse_mlp]"] == layers
+    assert counters["fuse_norm[sparse_head_out]"] == layers
+    assert counters["fuse_norm_rms"] == 2 * layers and "fuse_norm_skipped" not in counters
+    names = _dejavu_nodes(gm)
+    assert "dejavu::sparse_mlp" not in names and "dejavu::sparse_head_out" not in names
+    fused_ops = [n for n in gm.graph.nodes if getattr(n.target, "name", lambda: "")().startswith(
+        ("dejavu::sparse_mlp_norm", "dejavu::sparse_head_out_norm"))]
+    assert fused_ops and all(n.kwargs.get("rms") is True for n in fused_ops)
+    assert len([n for n in gm.graph.nodes if n.target == torch.rsqrt]) == 1  # the first
+    live = set(gm.graph.nodes)
+    assert ctx.inputs and all(n in live for n in ctx.inputs.values()), ctx.inputs
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma_rms_norms_are_left_alone(tiny):
+    """Gemma 3 normalises each sparse op's output before its residual add, and its RMS norm
+    scales by ``1 + w`` in fp32: even with ``fuse_rms_norm`` nothing is fused, each sparse op
+    counted as skipped; the logits are those without the options. ``fuse_rms_norm`` without
+    ``fuse_norm`` is refused."""
+    model = tiny("gemma3")
+    options = {"selector": "oracle", "mlp_density": 0.5, "attention_density": 0.5}
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    plain, _ = _decode(model, {**options, "fuse_norm": False}, ids, 2)
+    fused, graphs = _decode(model, {**options, "fuse_rms_norm": True}, ids, 2)
     counters = graphs[-1][1].counters.values
     assert not any(k.startswith("fuse_norm[") for k in counters)
     assert counters["fuse_norm_skipped"] == 2 * model.config.num_hidden_layers
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="'fuse_rms_norm' needs fuse_norm=True"):
+        DejavuOptions.from_mapping({**options, "fuse_norm": False, "fuse_rms_norm": True})
 
 
 @pytest.mark.usefixtures("last_finish")
@@ -364,7 +478,8 @@ def test_norm_finish_compiles_for_hopper(tmp_path):
     """The interpreter runs the kernels' Python, not Triton's compiler: compile the down and
     output-projection kernels with the fused norm for an sm_90 GPU (Triton's own ptxas, no GPU
     needed), at OPT-13B's row of 5120 and the shipped tiles, and the add-norm kernel for that
-    row, on a row and on a reducing kernel's sums."""
+    row, on a row and on a reducing kernel's sums, and with an RMS norm at Llama-3-8B's row of
+    4096."""
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -389,7 +504,11 @@ cases = [(sparse_mlp._down_kernel.fn,
          (triton_common._add_norm_kernel,
           {"y_ptr": "*fp32", **{p: "*fp16" for p in ("yb_ptr", "r_ptr", "w_ptr", "b_ptr",
                                                      "h_ptr", "n_ptr")}},
-          dict(HAS_B=True, BLOCK=8192, SUMS=True, HAS_YB=True, CLEAN=True))]
+          dict(HAS_B=True, BLOCK=8192, SUMS=True, HAS_YB=True, CLEAN=True)),
+         (triton_common._add_norm_kernel,  # Llama-3-8B's RMS norm after its down kernel
+          {"y_ptr": "*fp32", **{p: "*fp16" for p in ("yb_ptr", "r_ptr", "w_ptr", "b_ptr",
+                                                     "h_ptr", "n_ptr")}},
+          dict(HAS_B=False, BLOCK=4096, SUMS=True, HAS_YB=False, CLEAN=True, RMS=True))]
 for fn, ptrs, const in cases:
     const = {k: v for k, v in {**sizes, **const}.items() if k in fn.arg_names}
     sig = {a: {**ptrs, **norm}.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
@@ -407,6 +526,6 @@ for fn, ptrs, const in cases:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines()]
     assert [r[0] for r in rows] == ["_down_kernel", "_head_out_kernel", "_add_norm_kernel",
-                                    "_add_norm_kernel"], out.stdout
+                                    "_add_norm_kernel", "_add_norm_kernel"], out.stdout
     # the row's statistics and values are read from L2, where the other programs stored them
     assert all(int(r[2]) > 0 for r in rows[:2]), out.stdout

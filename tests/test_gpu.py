@@ -674,3 +674,45 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
                  "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_norms_pdl"):
         torch.testing.assert_close(runs[mode], want, atol=2e-2 * want.abs().max().item(),
                                    rtol=2e-2, msg=mode)
+
+
+def test_fused_rms_norms_in_the_captured_llama_step(tmp_path, monkeypatch):
+    """Option ``fuse_rms_norm`` (bench mode ``dejavu_captured_ahead_rms_pdl``) in the captured
+    lookahead step of a small Llama, its attention dense: each sparse MLP's down kernel runs
+    without its finish and an RMS add-norm launch finishes its sums, and the replayed step
+    gives the logits of the step without the option, to the tolerance of fp16 sums added in
+    another order."""
+    from dejavu_compile.kernels import triton_common as tc
+
+    from dejavu_compile.bench import kernel_switches, random_profile
+
+    model = bench.small_llama(6)
+    path = tmp_path / "ahead.yaml"
+    profile = random_profile(model, 0.5, 1.0, 64, path, lookahead=True)
+    _ranked_by_bias(path)
+    launched, real = [], tc._launch_add_norm
+
+    def spy(*args, **kwargs):
+        launched.append((kwargs.get("sums"), kwargs.get("rms")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tc, "_launch_add_norm", spy)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(8))
+    runs = {}
+    for fuse in (False, True):
+        torch._dynamo.reset()
+        launched.clear()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={"profile": profile, "cudagraphs": False,
+                                     "fuse_rms_norm": fuse})
+        with kernel_switches("dejavu_captured_ahead_rms_pdl"):
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            runs[fuse] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
+                                                24)
+        assert set(launched) == ({(True, True)} if fuse else set()), launched
+        counters = dejavu_compile.report(model).counters
+        assert counters.get("fuse_norm_rms", 0) > 0 or not fuse
+        assert counters.get("lookahead[mlp]", 0) > 0
+    torch.testing.assert_close(runs[True], runs[False],
+                               atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
