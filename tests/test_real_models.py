@@ -70,6 +70,25 @@ def test_real_model_discovery_and_exactness(real):
     assert len(rep.unmatched) == 1 and "embed_tokens.weight" in rep.unmatched[0]
 
 
+def test_smollm2_rms_norms_fused_give_the_same_logits(loads):
+    """Option ``fuse_rms_norm`` on the real SmolLM2 (Llama's RMS norm): the norm after each
+    sparse MLP's residual add is fused, none is skipped, and on CPU, where the op's reference
+    computes the module's own ops, the decoded logits equal those of the step without it."""
+    ids = loads("smollm2-135m").encode(documentation_text("held_out"), 24)
+    logits, counters = {}, {}
+    for fuse in (False, True):
+        model = loads("smollm2-135m").model
+        dejavu_compile.compile(model, selector="oracle", mlp_density=0.5, inner="eager",
+                               fuse_rms_norm=fuse)
+        with torch.no_grad():
+            logits[fuse] = _decode_logits(model, ids, steps=2)
+        counters[fuse] = dejavu_compile.report(model).counters
+    layers = EXPECTED["smollm2-135m"][0]
+    assert counters[False]["fuse_norm_skipped"] >= layers and "fuse_norm_rms" not in counters[False]
+    assert counters[True]["fuse_norm_rms"] >= layers and "fuse_norm_skipped" not in counters[True]
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+
+
 def test_export_command_on_the_shipped_profile(tmp_path, loads, monkeypatch):
     from pathlib import Path
 
