@@ -333,7 +333,7 @@ def sparse_head_out(attn, idx, wo_t, b, head_dim: int, union: bool = False,
     ``ops.workspace_numel``) holds the sums and counters, and is given back zero: no zero-fill
     launch. ``early``: the ids are older than the kernel before (the op's), so with
     ``DEJAVU_EARLY_IDS=1`` the per-row kernel loads them and its first weights before its
-    wait (``triton_common.early_ids``). With ``norm`` = (residual, weight, bias or None, eps):
+    wait (``triton_common.early_ids``). With ``norm`` = (residual, weight, bias or None, eps[, rms]):
     ``torch.ops.dejavu.sparse_head_out_norm``, returning (residual + output, its layer norm),
     finished by the per-row kernel itself as ``sparse_mlp.sparse_mlp``'s (``workspace`` then
     has ``ops.norm_numel`` values more), otherwise (or where ``tc.norm_in_finish`` says not)

@@ -482,8 +482,9 @@ def sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act: str, union: bool = False,
     ids come from a predictor run a layer ahead (``kernels.lookahead.waiting``), so with
     ``DEJAVU_EARLY_IDS=1`` the up kernel loads them before its wait (``triton_common.early_ids``);
     returns [..., d_out] in x's dtype. With ``norm`` = (residual [..., d_out], weight, bias or
-    None, eps): ``torch.ops.dejavu.sparse_mlp_norm``, returning (residual + output, its layer
-    norm), which the down kernel finishes itself with per-row ids and atomics
+    None, eps[, rms]): ``torch.ops.dejavu.sparse_mlp_norm``, returning (residual + output, its
+    layer norm, or with ``rms`` Llama's RMS norm, always in an add-norm launch), which the
+    down kernel finishes itself with per-row ids and atomics
     (``triton_common.finish_norm_last``; ``workspace`` then has ``ops.norm_numel`` values
     more); otherwise, or where ``triton_common.norm_in_finish`` says not, one
     ``triton_common.add_norm`` launch computes them after the op, or with
