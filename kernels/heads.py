@@ -149,23 +149,19 @@ def _head_out_kernel(
         acc = _out_add(acc, a_ptr + row * stride_a, wrows, mask, w)
     if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
         res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
+    else:
+        res = 0.0  # (unread)
     for t in range(1 if EARLY else 0, TILES):
         wrows, mask, w = _out_tile(idx_ptr, w_ptr, row, pid * TILES + t, J, HEAD_DIM, offs_o,
                                    mask_o, stride_idx, stride_wn, stride_wo, BLOCK_N)
         acc = _out_add(acc, a_ptr + row * stride_a, wrows, mask, w)
     add_partial(out_ptr + pid * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
-    if FUSED and NORM:
-        tc.finish_norm_last(out_ptr + row * stride_out + offs_o, b_ptr + offs_o, offs_o, mask_o,
-                            cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1),
-                            res, fin_ptr + row * stride_out,
-                            nrm_ptr + row * stride_out, nw_ptr, nb_ptr,
-                            stats_ptr + row * stride_stats, rcnt_ptr + row, DOUT, eps, HAS_B,
-                            HAS_NB, CLEAN, BLOCK_D, BLOCK_T, BLOCK_ROW)
-    elif FUSED:
-        tc.finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
-                       b_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
-                       tl.num_programs(1), HAS_B, CLEAN)
+    tc.finish_tile(out_ptr + row * stride_out, fin_ptr + row * stride_out, b_ptr, offs_o, mask_o,
+                   cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1), res,
+                   nrm_ptr + row * stride_out, nw_ptr, nb_ptr, stats_ptr + row * stride_stats,
+                   rcnt_ptr + row, DOUT, eps, FUSED, NORM, HAS_B, HAS_NB, CLEAN, BLOCK_D,
+                   BLOCK_T, BLOCK_ROW)
 
 
 @triton.autotune(configs=tc.column_configs(), key=["DOUT", "HEADS"])

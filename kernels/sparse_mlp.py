@@ -62,8 +62,7 @@ from .triton_common import (
     dot_split,
     early_ids,
     finish,
-    finish_last,
-    finish_norm_last,
+    finish_tile,
     fused_targets,
     fuses_finish,
     idx_stride,
@@ -254,6 +253,8 @@ def _down_kernel(
     wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
     if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
         res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
+    else:
+        res = 0.0  # (unread)
     # products summed over the tiles in a 2-d accumulator and reduced over neurons once at the
     # end; a loop after the first tile (not unrolled), which Triton software-pipelines: its
     # loads run ahead
@@ -267,17 +268,11 @@ def _down_kernel(
                         GATED)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
-    if FUSED and NORM:
-        finish_norm_last(out_ptr + row * stride_out + offs_o, b2_ptr + offs_o, offs_o, mask_o,
-                         cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1),
-                         res, fin_ptr + row * stride_out,
-                         nrm_ptr + row * stride_out, nw_ptr, nb_ptr,
-                         stats_ptr + row * stride_stats, rcnt_ptr + row, DOUT, eps, HAS_B2,
-                         HAS_NB, CLEAN, BLOCK_D, BLOCK_T, BLOCK_ROW)
-    elif FUSED:
-        finish_last(out_ptr + row * stride_out + offs_o, fin_ptr + row * stride_out + offs_o,
-                    b2_ptr + offs_o, mask_o, cnt_ptr + row * tl.num_programs(2) + pid_o,
-                    tl.num_programs(1), HAS_B2, CLEAN)
+    finish_tile(out_ptr + row * stride_out, fin_ptr + row * stride_out, b2_ptr, offs_o, mask_o,
+                cnt_ptr + row * tl.num_programs(2) + pid_o, tl.num_programs(1), res,
+                nrm_ptr + row * stride_out, nw_ptr, nb_ptr, stats_ptr + row * stride_stats,
+                rcnt_ptr + row, DOUT, eps, FUSED, NORM, HAS_B2, HAS_NB, CLEAN, BLOCK_D, BLOCK_T,
+                BLOCK_ROW)
     if CLEAN:
         # every thread's loads of the tile's pre-activations before the count (its release);
         # the last of the tile's readers zeroes them for the next call

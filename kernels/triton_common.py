@@ -345,6 +345,26 @@ def finish_norm_last(acc_ptrs, b_ptrs, offs, mask, cnt_ptr, n_split, res, h_row,
             tl.atomic_xchg(rcnt_ptr, 0)
 
 
+@triton.jit
+def finish_tile(out_row, fin_row, b_ptr, offs, mask, cnt_ptr, n_split, res, nrm_row, nw_ptr,
+                nb_ptr, stats_row, rcnt_ptr, DOUT, eps, FUSED: tl.constexpr, NORM: tl.constexpr,
+                HAS_B: tl.constexpr, HAS_NB: tl.constexpr, CLEAN: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROW: tl.constexpr):
+    """The end of a reducing kernel's program over columns ``offs`` of one row (the down and
+    output-projection kernels): with ``FUSED`` the last program of the tile finishes the
+    row's sums at ``out_row`` (``finish_last`` into ``fin_row``), with ``NORM`` also adding
+    the residual ``res`` and normalising (``finish_norm_last``: ``fin_row`` the sum,
+    ``nrm_row`` its norm); without ``FUSED`` nothing (a finish launch follows, or the
+    add-norm launch finishes the sums). ``res`` is unread without ``NORM``."""
+    if FUSED and NORM:
+        finish_norm_last(out_row + offs, b_ptr + offs, offs, mask, cnt_ptr, n_split, res, fin_row,
+                         nrm_row, nw_ptr, nb_ptr, stats_row, rcnt_ptr, DOUT, eps, HAS_B, HAS_NB,
+                         CLEAN, BLOCK_D, BLOCK_T, BLOCK_ROW)
+    elif FUSED:
+        finish_last(out_row + offs, fin_row + offs, b_ptr + offs, mask, cnt_ptr, n_split, HAS_B,
+                    CLEAN)
+
+
 # How ``sparse_mlp_norm`` and ``sparse_head_out_norm`` (option ``fuse_norm``) finish their
 # residual add and layer norm on CUDA where the reducing kernel could (per-row ids and
 # atomics): "sums", the default, the reducing kernel leaves its fp32 sums unfinished (no
