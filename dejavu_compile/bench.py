@@ -765,6 +765,9 @@ SPARSE_MODES = MODES[4:]
 # the base of OPT-13B's modes below, which the bench reads and never changes
 _CAPTURED_LAZY = {"cudagraphs": False, "lazy_kv": True, "fuse_qkv": False}
 _CAPTURED_QKV = {**_CAPTURED_LAZY, "fuse_qkv": True}
+# Llama-3-8B's lookahead step replayed through CapturedStep with every kernel launched
+# programmatically, Inductor's own too: the base of its modes below
+_CAPTURED_AHEAD_IPDL = {"cudagraphs": False, "inductor_pdl": True}
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
 _DEJAVU_MODES = {
@@ -847,8 +850,7 @@ _DEJAVU_MODES = {
                                                                 "inductor_pdl": True}),
     # dejavu_captured_ahead (Llama-3-8B's step) with every kernel launched programmatically,
     # Inductor's own too
-    "dejavu_captured_ahead_ipdl_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                                  "inductor_pdl": True}),
+    "dejavu_captured_ahead_ipdl_pdl": (True, True, BUCKET_UNITS, _CAPTURED_AHEAD_IPDL),
     # dejavu_captured_qkv_pdl with Inductor's kernels launched plainly (option inductor_pdl
     # off; on by default wherever the dejavu kernels launch programmatically)
     "dejavu_captured_qkv_noipdl_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
@@ -881,8 +883,7 @@ _DEJAVU_MODES = {
     # dejavu_captured_ahead_ipdl_pdl (Llama-3-8B's step) with option fuse_rms_norm: each
     # residual add and RMS norm after a sparse MLP in an add-norm launch of ours that finishes
     # the down kernel's sums, in place of its finish and of Inductor's fused add and norm
-    "dejavu_captured_ahead_rms_pdl": (True, True, BUCKET_UNITS, {"cudagraphs": False,
-                                                                 "inductor_pdl": True,
+    "dejavu_captured_ahead_rms_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                  "fuse_rms_norm": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)

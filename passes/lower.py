@@ -747,9 +747,9 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             continue
         new_name, n_args, after = _NORMED[name]
         out = node
-        if len(out.users) == 1 and _inference_dropout(next(iter(out.users))):
-            out = next(iter(out.users))
-        total = next(iter(out.users)) if len(out.users) == 1 else None
+        if _inference_dropout(_only_user(out)):
+            out = _only_user(out)
+        total = _only_user(out)
         if not (len(node.users) == 1 and total is not None and total.op == "call_function"
                 and total.target in (operator.add, torch.add) and len(total.args) == 2
                 and not total.kwargs and out in total.args):
