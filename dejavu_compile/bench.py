@@ -758,7 +758,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl",
          "dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
          "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_norms_pdl",
-         "dejavu_captured_qkv_nonorm_pdl", "dejavu_captured_ahead_rms_pdl")
+         "dejavu_captured_qkv_nonorm_pdl", "dejavu_captured_ahead_rms_pdl",
+         "dejavu_captured_ahead_normi_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -880,11 +881,15 @@ _DEJAVU_MODES = {
     # layer norms, the default step until the thirty-seventh session
     "dejavu_captured_qkv_nonorm_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                   "fuse_norm": False}),
-    # dejavu_captured_ahead_ipdl_pdl (Llama-3-8B's step) with option fuse_rms_norm: each
-    # residual add and RMS norm after a sparse MLP in an add-norm launch of ours that finishes
-    # the down kernel's sums, in place of its finish and of Inductor's fused add and norm
+    # dejavu_captured_ahead_ipdl_pdl (Llama-3-8B's step) with option fuse_rms_norm said
+    # (on by default since the thirty-ninth session: the same step): each residual add and
+    # RMS norm after a sparse MLP in an add-norm launch of ours that finishes the down
+    # kernel's sums, in place of its finish and of Inductor's fused add and norm; and with it
+    # off (normi: Inductor's add and RMS norm), the default step until then
     "dejavu_captured_ahead_rms_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                  "fuse_rms_norm": True}),
+    "dejavu_captured_ahead_normi_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
+                                                                   "fuse_rms_norm": False}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,

@@ -206,9 +206,9 @@ class DejavuOptions:
         inference dropout) into a residual add, and that sum into a layer norm with weight and
         bias (OPT's layers and its final norm), becomes ``dejavu::sparse_mlp_norm`` or
         ``dejavu::sparse_head_out_norm``, which return the sum and its norm
-        (``passes/lower.py::fuse_norms``); anything else (an RMS norm: Llama, Gemma; Llama's
-        with option ``fuse_rms_norm``, below) is left as it is and counted
-        (``fuse_norm_skipped``). On CUDA (``kernels/triton_common.py``,
+        (``passes/lower.py::fuse_norms``); so does Llama's RMS norm, unless option
+        ``fuse_rms_norm`` (below) is False. Anything else (Gemma's norm) is left as it is and
+        counted (``fuse_norm_skipped``). On CUDA (``kernels/triton_common.py``,
         ``DEJAVU_NORM_FINISH``) the op's reducing kernel leaves its fp32 sums unfinished (no
         counter, no last program) and one add-norm launch of ours follows
         (``add_norm_sums``: a row a program, held in registers, the norm's weight and bias
@@ -230,15 +230,22 @@ class DejavuOptions:
         programs was slower than either (thirty-sixth session: 3.88 and 3.74 ms against 3.63
         and 3.67 without; the finish, a chain of memory round trips, added 1.9-5.8 us to each
         call of the two kernels).
-    fuse_rms_norm: with ``fuse_norm``, Llama's RMS norm after a sparse op's residual add
-        (Llama, Mistral, Qwen2, SmolLM2: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
-        with x the sum in fp32) is fused too (``passes/lower.py::_rms_norm_of``; the ops get
-        ``rms=True``): on CUDA the add-norm launch computes that norm, rounding where the
+    fuse_rms_norm: Llama's RMS norm after a sparse op's residual add (Llama, Mistral, Qwen2,
+        SmolLM2: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` with x the sum in fp32) is
+        fused as ``fuse_norm`` fuses a layer norm (``passes/lower.py::_rms_norm_of``; the ops
+        get ``rms=True``): on CUDA the add-norm launch computes that norm, rounding where the
         module does, and finishes the reducing kernel's sums as for a layer norm; on CPU the
         reference computes the module's own ops. Gemma's norm (``1 + w`` in fp32, applied to
-        the op's output before the residual add) is no match and is left alone. Off by
-        default: correct on CPU under the Triton interpreter and compiled for sm_90, not yet
-        measured on a GPU (bench mode ``dejavu_captured_ahead_rms_pdl``).
+        the op's output before the residual add) is no match and is left alone. None (the
+        default) follows ``fuse_norm``; True needs ``fuse_norm``. On with ``fuse_norm`` since
+        the thirty-ninth session: on an H200 Llama-3-8B's captured step (MLP 0.5, attention
+        dense; bench modes ``dejavu_captured_ahead_rms_pdl`` and
+        ``dejavu_captured_ahead_normi_pdl``, the latter as the default step was before) ran
+        3.37, 3.36, 3.35 and 3.35 ms with it against 3.43, 3.43, 3.42 and 3.42 without, in
+        four rounds side by side, and 3.56 against 3.46 in a fifth, the first on a fresh
+        machine; the down kernel took 45 us a step less, its finish gone (BENCHMARKS.md,
+        thirty-ninth session). On the real SmolLM2 on CPU the held-out perplexity was the
+        same with and without it (21.39).
     shipped_configs: on a CUDA GPU whose model has a file in ``kernels/tuned/`` (named after
         ``torch.cuda.get_device_name``), the Triton kernels start from the configs it holds for
         their shapes instead of autotuning those (``kernels.tuning.seed_shipped``); other shapes
@@ -280,7 +287,7 @@ class DejavuOptions:
     multi_kernel: bool = False
     inductor_pdl: bool | None = None
     fuse_norm: bool = True
-    fuse_rms_norm: bool = False
+    fuse_rms_norm: bool | None = None
     shipped_configs: bool = True
     dump_dir: str | None = None
 
@@ -303,7 +310,8 @@ class DejavuOptions:
                 f"got {self.attention_granularity!r}"
             )
         if self.fuse_rms_norm and not self.fuse_norm:
-            raise ValueError("option 'fuse_rms_norm' needs fuse_norm=True")
+            raise ValueError("option 'fuse_rms_norm' needs fuse_norm=True (left None, it "
+                             "follows fuse_norm)")
         if self.fold_predictors and not self.fuse_linears:
             raise ValueError("option 'fold_predictors' needs fuse_linears=True")
         if self.batch_selection not in BATCH_SELECTIONS:
@@ -348,6 +356,12 @@ class DejavuOptions:
                 "give either a profile or mlp_density/attention_density, not both: "
                 "the profile sets per-layer densities"
             )
+
+    @property
+    def rms_norms_fused(self) -> bool:
+        """Whether the lower pass fuses Llama's RMS norms: ``fuse_rms_norm``, or when that is
+        None, ``fuse_norm``."""
+        return self.fuse_norm if self.fuse_rms_norm is None else self.fuse_rms_norm
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> DejavuOptions:

@@ -728,14 +728,14 @@ def _rms_norm_of(total: fx.Node):
 def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Option ``fuse_norm``: ``ln(residual + op(...))``, the sparse MLP's or output
     projection's output through an inference dropout into a residual add, and that sum (or a
-    view of it) into a layer norm with a weight, or with option ``fuse_rms_norm`` into
-    Llama's RMS norm (``_rms_norm_of``; the op then gets ``rms=True`` and the count
+    view of it) into a layer norm with a weight, or (option ``fuse_rms_norm``, by default on
+    with ``fuse_norm``) into Llama's RMS norm (``_rms_norm_of``; the op then gets ``rms=True`` and the count
     ``fuse_norm_rms``), becomes one
     ``dejavu::sparse_mlp_norm`` or ``dejavu::sparse_head_out_norm`` returning (the sum, its
     norm); the sum's other readers (the next residual add) read the first. On CUDA one
     add-norm launch of ours follows the op and finishes its reducing kernel's sums
     (``kernels/triton_common.py::add_norm_sums``; ``DEJAVU_NORM_FINISH`` picks other places
-    for a layer norm). Anything else (an RMS norm without ``fuse_rms_norm``; Gemma's, which
+    for a layer norm). Anything else (an RMS norm with ``fuse_rms_norm=False``; Gemma's, which
     scales by ``1 + w`` in fp32 and reads the op's output before the residual add; a norm
     without a weight; another user of the op's output) is left as it is
     (``fuse_norm_skipped``)."""
@@ -757,7 +757,7 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
             continue
         residual = total.args[1] if total.args[0] is out else total.args[0]
         found = _layer_norm_of(total) if residual is not out else None  # (not out + out)
-        rms = found is None and residual is not out and ctx.options.fuse_rms_norm \
+        rms = found is None and residual is not out and ctx.options.rms_norms_fused \
             and _rms_norm_of(total)
         res, val = fake_value(residual) if isinstance(residual, fx.Node) else None, \
             fake_value(out)

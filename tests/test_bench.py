@@ -605,6 +605,9 @@ def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
     assert modes["dejavu_captured_qkv_normk_pdl"][3]["fuse_norm"] is True
     assert modes["dejavu_captured_qkv_nonorm_pdl"][3]["fuse_norm"] is False
     assert "fuse_norm" not in modes["dejavu_captured_qkv_pdl"][3]  # the default: on
+    assert modes["dejavu_captured_ahead_rms_pdl"][3]["fuse_rms_norm"] is True
+    assert modes["dejavu_captured_ahead_normi_pdl"][3]["fuse_rms_norm"] is False
+    assert "fuse_rms_norm" not in modes["dejavu_captured_ahead_ipdl_pdl"][3]  # the default: on
     monkeypatch.setenv(NORM_FINISH_ENV, "first")
     with pytest.raises(ValueError, match="DEJAVU_NORM_FINISH='first'"):
         norm_in_finish("mlp")

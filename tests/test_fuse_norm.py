@@ -382,22 +382,29 @@ def test_the_pass_fuses_opt_norms_and_keeps_the_logits(tmp_path):
 
 
 def test_the_pass_fuses_llama_rms_norms(tiny):
-    """Without option ``fuse_rms_norm`` (the default) Llama's RMS norms are left alone, each
-    sparse op counted as skipped. With it, the RMS norm after each sparse op's residual add
-    (the next block's norm, the final one after the last MLP) is fused with ``rms``: none of
-    those norms' nodes is left (one ``rsqrt``, the first layer's), the blocks' discovered
-    inputs are live nodes, and the logits are those without the option."""
+    """With option ``fuse_rms_norm`` False Llama's RMS norms are left alone, each sparse op
+    counted as skipped; with ``fuse_norm`` False too, but the pass does not run (nothing
+    counted). By default (None: it follows ``fuse_norm``, on) the RMS norm after each sparse
+    op's residual add (the next block's norm, the final one after the last MLP) is fused
+    with ``rms``: none of those norms' nodes is left (one ``rsqrt``, the first layer's), the
+    blocks' discovered inputs are live nodes, and the logits are those without the option."""
     model = tiny("llama")
     layers = model.config.num_hidden_layers
     options = {"selector": "oracle", "mlp_density": 0.5, "attention_density": 0.5}
     ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
-    plain, graphs = _decode(model, options, ids, 2)
+    plain, graphs = _decode(model, {**options, "fuse_rms_norm": False}, ids, 2)
     rsqrt = [n for n in graphs[-1][0].graph.nodes if n.target == torch.rsqrt]
     assert len(rsqrt) == 2 * layers + 1
     counters = graphs[-1][1].counters.values
     assert not any(k.startswith("fuse_norm[") for k in counters)
     assert counters["fuse_norm_skipped"] == 2 * layers
-    fused, graphs = _decode(model, {**options, "fuse_rms_norm": True}, ids, 2)
+    off, graphs = _decode(model, {**options, "fuse_norm": False}, ids, 2)
+    assert not any(k.startswith("fuse_norm") for k in graphs[-1][1].counters.values)
+    assert len([n for n in graphs[-1][0].graph.nodes if n.target == torch.rsqrt]) \
+        == 2 * layers + 1
+    torch.testing.assert_close(off, plain, atol=0, rtol=0)
+    assert DejavuOptions.from_mapping(options).rms_norms_fused
+    fused, graphs = _decode(model, options, ids, 2)
     gm, ctx = graphs[-1]
     counters = ctx.counters.values
     assert counters["fuse_norm[sparse_mlp]"] == layers
@@ -417,8 +424,8 @@ def test_the_pass_fuses_llama_rms_norms(tiny):
 def test_gemma_rms_norms_are_left_alone(tiny):
     """Gemma 3 normalises each sparse op's output before its residual add, and its RMS norm
     scales by ``1 + w`` in fp32: even with ``fuse_rms_norm`` nothing is fused, each sparse op
-    counted as skipped; the logits are those without the options. ``fuse_rms_norm`` without
-    ``fuse_norm`` is refused."""
+    counted as skipped; the logits are those without the options. ``fuse_rms_norm`` True
+    without ``fuse_norm`` is refused."""
     model = tiny("gemma3")
     options = {"selector": "oracle", "mlp_density": 0.5, "attention_density": 0.5}
     ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))

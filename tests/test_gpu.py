@@ -677,8 +677,8 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
 
 
 def test_fused_rms_norms_in_the_captured_llama_step(tmp_path, monkeypatch):
-    """Option ``fuse_rms_norm`` (bench mode ``dejavu_captured_ahead_rms_pdl``) in the captured
-    lookahead step of a small Llama, its attention dense: each sparse MLP's down kernel runs
+    """Option ``fuse_rms_norm`` (on by default; bench mode ``dejavu_captured_ahead_rms_pdl``)
+    in the captured lookahead step of a small Llama, its attention dense: each sparse MLP's down kernel runs
     without its finish and an RMS add-norm launch finishes its sums, and the replayed step
     gives the logits of the step without the option, to the tolerance of fp16 sums added in
     another order."""
