@@ -16,7 +16,10 @@ layer:
   (``heads``, the default) and over the selection's slots (``selection``, built in the
   thirty-first session), side by side (``lazy_kv.GRIDS``).
 
-With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``.
+With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``. With
+``--unsplit``, ``lazy qkv`` at each tile of ``UNSPLIT`` (d split over one or two programs,
+narrow column tiles: as many programs with fewer or no atomics and no finish in the last
+program), in place of the tiles of the two grids.
 
 Each variant runs over ``--layers`` copies of the weights in turn (a CUDA graph of repeated
 calls, ``triton.testing.do_bench_cudagraph``), so the weights stream from memory as in a step
@@ -43,6 +46,11 @@ SWEEP = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": c, "BLOCK_K": kk, "SPLIT": sp, 
           "num_stages": 3}
          for c in (32, 64, 128) for kk in (64, 128) for sp in (4, 8, 16) for w in (4, 8)
          if not (c == 32 and w == 8)]
+# tiles timed with --unsplit: the programs of a column tile of 16 or 32 over the whole of d
+# (SPLIT 1: no atomics, no workspace, no finish in a last program) or half of it
+UNSPLIT = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": c, "BLOCK_K": kk, "SPLIT": sp, "num_warps": 4,
+            "num_stages": st}
+           for c in (16, 32) for kk in (128, 256) for sp in (1, 2) for st in (3, 4)]
 
 
 def stacked_selection(idx: torch.Tensor, heads_per_matrix: int, matrices: int) -> torch.Tensor:
@@ -57,6 +65,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the lazy kernels at each tile of SWEEP")
+    parser.add_argument("--unsplit", action="store_true",
+                        help="time the fused launch at each tile of UNSPLIT instead of the "
+                             "grids' tiles")
     parser.add_argument("--passes", type=int, default=2,
                         help="times each variant this many times, the passes in turn, to "
                              "show each time's spread beside the differences between variants")
@@ -99,11 +110,14 @@ def main() -> None:
         "lazy kv": (2, lazy),
         "q gemv": (1, lambda lay: heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD)),
     }
-    for cfg in lazy_kv.DECODE_TILES:  # each grid at each tile the autotuner chooses among
+    for cfg in [] if args.unsplit else lazy_kv.DECODE_TILES:  # each grid at each such tile
         name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT}".format(**cfg)
         for grid in lazy_kv.GRIDS:
             variants[f"lazy kv {grid} {name}"] = (2, lambda lay, c=cfg, g=grid: lazy(lay, c, g))
             variants[f"lazy qkv {grid} {name}"] = (3, lambda lay, c=cfg, g=grid: fused(lay, c, g))
+    for cfg in UNSPLIT if args.unsplit else []:
+        name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT} st{num_stages}".format(**cfg)
+        variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
     if args.sweep:  # the lazy kernels at each tile of SWEEP, with and without the query
         for cfg in SWEEP:
             name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT} w{num_warps}".format(**cfg)
