@@ -81,6 +81,9 @@ from .triton_common import (
 # In examples/qkv_study.py (twenty-first session, BENCHMARKS.md), d split over 4 programs ran
 # faster than over 8 in one sweep of 30 tiles: keys and values 21.2-22.9 us a layer against
 # 23.4-25.0, and with the query (MATS 3) 27.7 us against 30.3-31.4; those three tiles join.
+# Column tiles of 16 or 32 with d split over one or two programs (fewer atomics or none, no
+# finish in a last program) were all slower with the query: 29.9-68.9 us a layer against
+# 27.3 at the shipped C64 K64 S4 (thirty-ninth session, ``qkv_study.py --unsplit``).
 DECODE_TILES = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": c, "BLOCK_K": k, "SPLIT": split,
                  "num_warps": 4, "num_stages": 3}
                 for c, k, split in ((64, 128, 8), (64, 64, 8), (64, 128, 4), (64, 64, 4),
