@@ -45,9 +45,10 @@ def test_export_files_are_valid(tiny, arch, tmp_path):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         by_type.setdefault(node.op_type, []).append(attrs)
         assert {"layer", "density", "k", "block", "selector"} <= set(attrs)
-    # one sparse op per sparsified block (plus its selector), named by layer and density;
-    # OPT's with its residual add and layer norm (option fuse_norm, on by default)
-    norm = "Norm" if arch == "opt" else ""
+    # one sparse op per sparsified block (plus its selector), named by layer and density,
+    # with its residual add and norm (option fuse_norm, on by default: OPT's layer norm,
+    # Llama's RMS norm)
+    norm = "Norm"
     assert [a["layer"] for a in by_type["SparseMlp" + norm]] == sparse["mlp"]
     assert [a["layer"] for a in by_type["SparseHeadOut" + norm]] == sparse["attention"]
     assert by_type["SparseMlp" + norm][0]["density"] == pytest.approx(0.5)
@@ -135,8 +136,9 @@ def test_dump_dir_holds_each_pass(tiny, tmp_path, monkeypatch):
 def test_export_of_fused_norms_has_two_outputs(tiny, tmp_path, arch):
     """With ``fuse_norm``, a tiny OPT's sparse layer exports its output projection and MLP as
     ``SparseHeadOutNorm`` and ``SparseMlpNorm``, each with two outputs (the residual sum and
-    its norm), in a model the ONNX checker accepts; with ``fuse_rms_norm`` a tiny Llama's do
-    too, with the ``rms`` attribute set (0 for OPT's layer norms)."""
+    its norm), in a model the ONNX checker accepts; with ``fuse_rms_norm`` (said here, on by
+    default) a tiny Llama's do too, with the ``rms`` attribute set (0 for OPT's layer
+    norms)."""
     model = tiny(arch)
     path, _ = _random_predictor_profile(model, tmp_path)
     option = "fuse_norm" if arch == "opt" else "fuse_rms_norm"

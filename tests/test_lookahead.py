@@ -113,9 +113,11 @@ def test_side_stream_form_joins_the_first_consumer(tiny, tmp_path, monkeypatch):
     assert len(ahead) == 2  # layer 1's MLP and attention predictors
     for node in ahead:
         kind = node.meta["dejavu"]["block"]
-        first = [u for u in node.users
-                 if lookahead.is_op(u, "sparse_mlp" if kind == "mlp" else "sparse_head_proj")]
-        keep, slot = first[0].args[-2:]
+        ops = ("sparse_mlp", "sparse_mlp_norm") if kind == "mlp" else ("sparse_head_proj",)
+        first = [u for u in node.users if any(lookahead.is_op(u, op) for op in ops)]
+        # (an MLP with its RMS norm, fuse_rms_norm, takes them as keyword arguments)
+        keep, slot = first[0].args[-2:] if not first[0].kwargs else (
+            first[0].kwargs["keep"], first[0].kwargs["slot"])
         assert keep is ctx.inputs[(0, kind)] and slot == node.args[-1] >= 0
 
 
@@ -189,7 +191,8 @@ def test_fixed_selector_reads_first_units(tiny):
     with torch.no_grad():
         _decode_logits(torch.compile(model, backend=backend), prompt(), steps=1)
     gm, ctx = graphs[-1]
-    mlp = [n for n in gm.graph.nodes if n.target is OPS.sparse_mlp.default]
+    mlp = [n for n in gm.graph.nodes
+           if n.target in (OPS.sparse_mlp.default, OPS.sparse_mlp_norm.default)]
     ids = getattr(gm, mlp[0].args[1].target)
     assert ids.tolist() == [[list(range(48))]]
     assert not [n for n in gm.graph.nodes if n.target in (OPS.select_mlp_oracle.default,
