@@ -729,11 +729,11 @@ def fuse_norms(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Option ``fuse_norm``: ``ln(residual + op(...))``, the sparse MLP's or output
     projection's output through an inference dropout into a residual add, and that sum (or a
     view of it) into a layer norm with a weight, or (option ``fuse_rms_norm``, by default on
-    with ``fuse_norm``) into Llama's RMS norm (``_rms_norm_of``; the op then gets ``rms=True`` and the count
-    ``fuse_norm_rms``), becomes one
-    ``dejavu::sparse_mlp_norm`` or ``dejavu::sparse_head_out_norm`` returning (the sum, its
-    norm); the sum's other readers (the next residual add) read the first. On CUDA one
-    add-norm launch of ours follows the op and finishes its reducing kernel's sums
+    with ``fuse_norm``) into Llama's RMS norm (``_rms_norm_of``; the op then gets
+    ``rms=True`` and the count ``fuse_norm_rms``), becomes one ``dejavu::sparse_mlp_norm``
+    or ``dejavu::sparse_head_out_norm`` returning (the sum, its norm); the sum's other
+    readers (the next residual add) read the first. On CUDA one add-norm launch of ours
+    follows the op and finishes its reducing kernel's sums
     (``kernels/triton_common.py::add_norm_sums``; ``DEJAVU_NORM_FINISH`` picks other places
     for a layer norm). Anything else (an RMS norm with ``fuse_rms_norm=False``; Gemma's, which
     scales by ``1 + w`` in fp32 and reads the op's output before the residual add; a norm
