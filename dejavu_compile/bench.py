@@ -759,7 +759,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
          "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_norms_pdl",
          "dejavu_captured_qkv_nonorm_pdl", "dejavu_captured_ahead_rms_pdl",
-         "dejavu_captured_ahead_normi_pdl")
+         "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -890,6 +890,12 @@ _DEJAVU_MODES = {
                                                                  "fuse_rms_norm": True}),
     "dejavu_captured_ahead_normi_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                    "fuse_rms_norm": False}),
+    # Llama-3-8B's step with its dense attention's fused query, key and value projection and
+    # its output projection through dejavu::gemv (option dense_gemv) in place of cuBLAS's
+    # split-K GEMMs (in the thirty-ninth session's breakdown 15.4 us a call for the 48 MB of
+    # the first, 10.9 us and a 1.9 us reduction for the 32 MB of the second: 2.5-3.1 TB/s)
+    "dejavu_captured_ahead_gemv_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
+                                                                  "dense_gemv": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
