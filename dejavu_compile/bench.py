@@ -759,7 +759,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
          "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_norms_pdl",
          "dejavu_captured_qkv_nonorm_pdl", "dejavu_captured_ahead_rms_pdl",
-         "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl")
+         "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl",
+         "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -896,6 +897,15 @@ _DEJAVU_MODES = {
     # the first, 10.9 us and a 1.9 us reduction for the 32 MB of the second: 2.5-3.1 TB/s)
     "dejavu_captured_ahead_gemv_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                   "dense_gemv": True}),
+    # OPT-13B's and Llama-3-8B's default steps with the decode attention's chunks merged by
+    # the split kernel's last program of each KV head (option merge_attention) instead of a
+    # combine launch (thirty-eighth and thirty-ninth sessions' breakdowns: 88 and 52 us a
+    # step after the kernel before); slower in the eleventh session's step, before
+    # programmatic launch
+    "dejavu_captured_qkv_merge_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                 "merge_attention": True}),
+    "dejavu_captured_ahead_merge_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
+                                                                   "merge_attention": True}),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
