@@ -617,12 +617,17 @@ def _inference_dropout(node) -> bool:
     return training is False
 
 
+def _method_or_function(node, methods: tuple[str, ...], functions: tuple) -> bool:
+    """``node`` calls one of ``methods`` on a tensor or one of ``functions``."""
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target in methods)
+        or (node.op == "call_function" and node.target in functions))
+
+
 def _same_rows(node) -> bool:
     """A ``view`` or ``reshape`` (the only user it may have between a residual add and its
     layer norm): the same values, in the same order, in another shape."""
-    return isinstance(node, fx.Node) and (
-        (node.op == "call_method" and node.target in ("view", "reshape"))
-        or (node.op == "call_function" and node.target in (torch.reshape,)))
+    return _method_or_function(node, ("view", "reshape"), (torch.reshape,))
 
 
 def _layer_norm_of(total: fx.Node):
@@ -645,12 +650,6 @@ def _layer_norm_of(total: fx.Node):
                 continue
             return node, (user if node is not user else None), weight, bias, eps
     return None
-
-
-def _method_or_function(node, method: str, functions: tuple) -> bool:
-    return isinstance(node, fx.Node) and (
-        (node.op == "call_method" and node.target == method)
-        or (node.op == "call_function" and node.target in functions))
 
 
 def _cast_to(node, dtype) -> bool:
@@ -684,10 +683,10 @@ def _rms_norm_of(total: fx.Node):
                     and len(x.users) == 2):
                 continue
             square = next((u for u in x.users if _method_or_function(
-                u, "pow", (torch.pow, operator.pow)) and u.args[1:] == (2,) and not u.kwargs),
+                u, ("pow",), (torch.pow, operator.pow)) and u.args[1:] == (2,) and not u.kwargs),
                 None)
             mean = _only_user(square) if square is not None else None
-            if not (_method_or_function(mean, "mean", (torch.mean,)) and mean.args[0] is square
+            if not (_method_or_function(mean, ("mean",), (torch.mean,)) and mean.args[0] is square
                     and tuple(mean.args[1:]) in ((-1,), ([-1],), (d - 1,), ([d - 1],))
                     and mean.kwargs == {"keepdim": True}):
                 continue
@@ -698,7 +697,7 @@ def _rms_norm_of(total: fx.Node):
                     and not shift.kwargs):
                 continue
             root = _only_user(shift)
-            if not (_method_or_function(root, "rsqrt", (torch.rsqrt,)) and root.args == (shift,)
+            if not (_method_or_function(root, ("rsqrt",), (torch.rsqrt,)) and root.args == (shift,)
                     and not root.kwargs):
                 continue
             scaled = _only_user(root)
