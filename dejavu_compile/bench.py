@@ -760,6 +760,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_normm_pdl", "dejavu_captured_qkv_norms_pdl",
          "dejavu_captured_qkv_nonorm_pdl", "dejavu_captured_ahead_rms_pdl",
          "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl",
+         "dejavu_captured_qkv_gemv_pdl", "dejavu_captured_ahead_nogemv_pdl",
+         "dejavu_captured_qkv_nogemv_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
@@ -894,9 +896,18 @@ _DEJAVU_MODES = {
     # Llama-3-8B's step with its dense attention's fused query, key and value projection and
     # its output projection through dejavu::gemv (option dense_gemv) in place of cuBLAS's
     # split-K GEMMs (in the thirty-ninth session's breakdown 15.4 us a call for the 48 MB of
-    # the first, 10.9 us and a 1.9 us reduction for the 32 MB of the second: 2.5-3.1 TB/s)
+    # the first, 10.9 us and a 1.9 us reduction for the 32 MB of the second: 2.5-3.1 TB/s),
+    # and OPT-13B's default step with its dense first layer's projections so; dense_gemv is
+    # on for CUDA by default since the fortieth session (the same steps as the default ones),
+    # and the nogemv modes are those steps with it off (cuBLAS), the default steps before
     "dejavu_captured_ahead_gemv_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                   "dense_gemv": True}),
+    "dejavu_captured_qkv_gemv_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                "dense_gemv": True}),
+    "dejavu_captured_ahead_nogemv_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
+                                                                    "dense_gemv": False}),
+    "dejavu_captured_qkv_nogemv_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                  "dense_gemv": False}),
     # OPT-13B's and Llama-3-8B's default steps with the decode attention's chunks merged by
     # the split kernel's last program of each KV head (option merge_attention) instead of a
     # combine launch (thirty-eighth and thirty-ninth sessions' breakdowns: 88 and 52 us a

@@ -100,10 +100,11 @@ class DejavuOptions:
         one row (Q, K and V of a dense attention, an output projection, a dense layer's MLP;
         fused or not) run through ``dejavu::gemv``, a Triton GEMV that reads whole weight rows
         in one launch, instead of the inner compiler's GEMM (``kernels/dense.py``). The
-        language-model head and other linears are left alone; on CPU the op is ``F.linear``.
-        On an H200 (Llama-3-8B, three runs in the twelfth session, BENCHMARKS.md) it was
-        faster back to back in every run (3.78-3.80 against 3.85-3.92 ms) with 33 fewer
-        launches and a cheaper graph launch; off by default until it is measured on OPT-13B.
+        language-model head and other linears are left alone. ``None`` (the default): on CUDA
+        tensors only; ``True``: on CPU too, where the op is ``F.linear``; ``False``: never.
+        On an H200 in the fortieth session's captured steps (BENCHMARKS.md): Llama-3-8B at
+        MLP 0.5, attention dense, 3.32 and 3.34 ms against 3.46 and 3.47 without it in two
+        rounds; OPT-13B's default step (one dense layer) 3.41 against 3.43 ms in one.
     decode_attention: where a decode step's attention (SDPA with one query token, a boolean or no
         key mask, no dropout) runs as ``dejavu::decode_attention``, the split-K Triton kernel
         that reads each KV head once for its group of query heads (``kernels/
@@ -275,7 +276,7 @@ class DejavuOptions:
     fuse_linears: bool = True
     batch_selection: str = DEFAULT_BATCH_SELECTION
     fold_predictors: bool = False
-    dense_gemv: bool = False
+    dense_gemv: bool | None = None
     decode_attention: str = DEFAULT_DECODE_ATTENTION
     reorder_for_locality: bool = False
     workspaces: bool = True

@@ -33,10 +33,10 @@ under the graph being compiled, so the stacking waits for the same moment as the
 re-layout and takes effect in the recompiled graph; a graph with no re-layout pending (nothing
 recompiles it) fuses only parameters already stacked.
 
-With option ``dense_gemv``, the dense projections of the discovered blocks that a decode step
-computes for one row (stacked or not) become ``dejavu::gemv``, a one-launch Triton GEMV on CUDA
-(``kernels/dense.py``) and ``F.linear`` on CPU; the language-model head and every other linear
-stay with the inner compiler.
+With option ``dense_gemv`` (by default on CUDA tensors), the dense projections of the discovered
+blocks that a decode step computes for one row (stacked or not) become ``dejavu::gemv``, a
+one-launch Triton GEMV on CUDA (``kernels/dense.py``) and ``F.linear`` on CPU (``True`` only);
+the language-model head and every other linear stay with the inner compiler.
 
 A decode step's attention (an SDPA call with one query token, no dropout, not causal, a
 boolean or no mask shared by the heads) becomes ``dejavu::decode_attention`` (option
@@ -295,10 +295,12 @@ def _one_row(node: fx.Node) -> bool:
     return None not in shape and shape[-1] > 0 and val.numel() == shape[-1]
 
 
-def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, list]) -> None:
+def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, list],
+               cuda_only: bool) -> None:
     """Hand the dense projections of the discovered blocks (fused or not) that read one row to
-    ``dejavu::gemv`` (``DejavuOptions.dense_gemv``). Other linears, the language-model head
-    among them, stay with the inner compiler."""
+    ``dejavu::gemv`` (``DejavuOptions.dense_gemv``); with ``cuda_only`` (the option left None)
+    only those whose input is on a CUDA device. Other linears, the language-model head among
+    them, stay with the inner compiler."""
     disc = ctx.discovery
     if disc is None:
         return
@@ -316,6 +318,8 @@ def dense_gemv(gm: fx.GraphModule, ctx: PassContext, fused_from: dict[fx.Node, l
         if not owners or not _one_row(lin.input):
             continue
         x = fake_value(lin.input)
+        if cuda_only and x.device.type != "cuda":
+            continue
         if x.dtype not in _GEMV_DTYPES or lin.weight.dtype != x.dtype or (
                 lin.bias is not None and lin.bias.dtype != x.dtype):
             continue
@@ -913,8 +917,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if new:  # copies are shared between graphs: count each once
             ctx.counters.add("relayout_bytes", copy.numel() * copy.element_size())
     fused_from = fuse_linears(gm, ctx, fake_mode) if ctx.options.fuse_linears else {}
-    if ctx.options.dense_gemv:
-        dense_gemv(gm, ctx, fused_from)
+    if ctx.options.dense_gemv is not False:
+        dense_gemv(gm, ctx, fused_from, cuda_only=ctx.options.dense_gemv is None)
     if ctx.options.decode_attention != "never":
         decode_attention(gm, ctx, fake_mode)
     if ctx.options.fuse_norm:

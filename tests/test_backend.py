@@ -263,8 +263,9 @@ def test_dense_gemv_takes_the_blocks_one_row_projections(tiny, arch):
     """With ``dense_gemv``, each decode graph's dense block projections (Q, K and V, stacked
     once the recompiled graph finds them so, and the output projection) become
     ``dejavu::gemv``; the prefill's many rows and the language-model head stay linears; the
-    logits are those of the same compilation without it."""
-    def run(dense_gemv: bool):
+    logits are those of the same compilation without it. Left None (the default), it holds
+    on CUDA only: on CPU the graphs keep their linears."""
+    def run(dense_gemv: bool | None):
         torch._dynamo.reset()
         model = tiny(arch)
         captured = []
@@ -283,7 +284,11 @@ def test_dense_gemv_takes_the_blocks_one_row_projections(tiny, arch):
 
     model, got, captured = run(True)
     _, want, plain = run(False)
+    _, default, on_cpu = run(None)
     torch.testing.assert_close(got, want, **FP32)
+    torch.testing.assert_close(default, want, **FP32)
+    assert [t for _, t in on_cpu] == [t for _, t in plain]
+    assert all(not c.get("dense_gemv") for c, _ in on_cpu)
     layers = model.config.num_hidden_layers
     gemv = torch.ops.dejavu.gemv.default
     counts = [c.get("dense_gemv", 0) for c, _ in captured]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from dejavu_compile import bench, load_profile
+from dejavu_compile import DejavuOptions, bench, load_profile
 from dejavu_compile.profile import BUCKET_UNITS, default_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -611,6 +611,21 @@ def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
     monkeypatch.setenv(NORM_FINISH_ENV, "first")
     with pytest.raises(ValueError, match="DEJAVU_NORM_FINISH='first'"):
         norm_in_finish("mlp")
+
+
+def test_the_gemv_modes_pair_the_default_steps_with_and_without_dense_gemv():
+    """The default steps leave ``dense_gemv`` to its default (on CUDA); the gemv modes say it
+    and the nogemv modes turn it off, the rest of each step the same."""
+    modes = bench._DEJAVU_MODES
+    for step, name in (("dejavu_captured_qkv_pdl", "qkv"), ("dejavu_captured_ahead_ipdl_pdl", "ahead")):
+        base = modes[step][3]
+        assert "dense_gemv" not in base
+        for suffix, value in (("gemv", True), ("nogemv", False)):
+            mode = f"dejavu_captured_{name}_{suffix}_pdl"
+            assert mode in bench.MODES
+            assert modes[mode][:3] == modes[step][:3]
+            assert modes[mode][3] == {**base, "dense_gemv": value}
+    assert DejavuOptions(selector="oracle", mlp_density=0.5).dense_gemv is None
 
 
 def test_readme_describes_every_bench_mode():

@@ -86,7 +86,7 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
 
 def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
-    kernels, ``dense_gemv``, the split-K decode attention with its mask read in place and its
+    kernels, ``dense_gemv`` said, the split-K decode attention with its mask read in place and its
     chunks merged in the same launch (option ``merge_attention``), which the lower pass puts in
     place of SDPA, and the output projections read on their original layout, option
     ``out_layout``) gives the logits of the step with SDPA and the default kernels, to the
@@ -107,7 +107,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     results = {}
     counts = {}
     for run, mode, extra in (("fill", "dejavu_sparse", {"workspaces": False}),
-                             ("default", "dejavu_sparse", {"decode_attention": "never"}),
+                             ("default", "dejavu_sparse", {"decode_attention": "never",
+                                                           "dense_gemv": False}),
                              ("variants", "dejavu_store", {"dense_gemv": True,
                                                            "merge_attention": True,
                                                            "out_layout": "original"})):
@@ -125,6 +126,8 @@ def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
         counts[run] = dejavu_compile.report(model).counters  # this run's graphs
     counters = counts["variants"]
     assert counters["dense_gemv"] > 0 and counters["decode_attention"] > 0, counters
+    # dense_gemv left None runs on CUDA: the fill run's dense projections are ours too
+    assert counts["fill"]["dense_gemv"] > 0 and not counts["default"].get("dense_gemv")
     # the variants' decode attentions merge their chunks in one launch (the fill run's with a
     # combine launch of their own), and the sparse MLPs of the default step run on a
     # workspace left zero (no zero-fill launch)
