@@ -9,6 +9,9 @@ kernel, which reads whole weight rows the same way, reached 93-95%. So the lower
 to this kernel: each program reads ``BLOCK_N`` whole rows of the weight in a pipelined loop over
 ``d`` with a 2-d accumulator reduced once, adds the bias and stores its outputs in the input's
 dtype: one launch, no atomics, no zero-fill. In deterministic mode it runs one fixed config.
+Under programmatic launch (``triton_common.programmatic``) it loads its first slice of weight
+rows, which no kernel writes, before it waits for the kernel before it, and x after: the
+weights start streaming while that kernel finishes, as the down kernel's first tile does.
 
 More rows than ``MAX_ROWS`` (a prefill) go to ``torch.nn.functional.linear``: the kernel reads
 the weight once per row.
@@ -28,7 +31,10 @@ from .triton_common import (
     check_dtype,
     deterministic,
     fixed_config,
+    launch,
+    load_rows,
     store_configs,
+    wait_inputs,
 )
 
 # rows up to which the kernel runs (it reads the weight once per row); more go to cuBLAS
@@ -51,17 +57,25 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     N, D,
     stride_x, stride_w, stride_out,
-    HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     row, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for start in range(0, D, BLOCK_D):
+    rows = offs_n.to(tl.int64)
+    # the first slice of the weight rows (a parameter, older than any kernel) before the wait;
+    # x, which the kernel before may have written, after it
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    w = load_rows(w_ptr, rows, mask_n, stride_w, offs_d, mask_d)
+    wait_inputs(PDL)
+    x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    for start in range(BLOCK_D, D, BLOCK_D):
         offs_d = start + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        acc = add_rows(acc, w_ptr, offs_n.to(tl.int64), mask_n, stride_w, offs_d, mask_d, x)
+        acc = add_rows(acc, w_ptr, rows, mask_n, stride_w, offs_d, mask_d, x)
     y = tl.sum(acc, 1)
     if HAS_B:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -88,8 +102,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
     args = (rows, w, b if b is not None else w, out, n, d, rows.stride(0), w.stride(0),
             out.stride(0))
     grid = lambda m: (rows.shape[0], triton.cdiv(n, m["BLOCK_N"]))  # noqa: E731
-    if deterministic():  # the same config, so the same sums, in every process
-        _gemv_kernel.fn[grid](*args, HAS_B=b is not None, **GEMV_FIXED)
-    else:
-        _gemv_kernel[grid](*args, HAS_B=b is not None)
+    # deterministic mode: the same config, so the same sums, in every process
+    launch(_gemv_kernel, grid, *args, HAS_B=b is not None,
+           fixed=GEMV_FIXED if deterministic() else None)
     return out.reshape(*x.shape[:-1], n)

@@ -290,11 +290,12 @@ def test_auto_out_layout_at_low_head_density_matches_the_transposed_one(tmp_path
 def test_programmatic_launch_matches_the_reference(monkeypatch):
     """With ``DEJAVU_PDL=1`` (programmatic dependent launch, Hopper and later) a selector
     followed by the sparse MLP (right after it on a workspace, with no fill between, and then
-    with its own fill) and the head kernels, captured in a CUDA graph and replayed on a new
-    input each time, gives the ids of plain launches exactly (the selector has no atomics) and
-    outputs within the reference's tolerance: no kernel reads its predecessor's output before
-    that one finished (the last replay's ids would give other outputs)."""
-    from dejavu_compile.kernels import heads, ops, predictor, sparse_mlp
+    with its own fill), a dense GEMV of its output and the head kernels, captured in a CUDA
+    graph and replayed on a new input each time, gives the ids of plain launches exactly (the
+    selector has no atomics) and outputs within the reference's tolerance: no kernel reads its
+    predecessor's output before that one finished (the last replay's ids would give other
+    outputs)."""
+    from dejavu_compile.kernels import dense, heads, ops, predictor, sparse_mlp
     from dejavu_compile.kernels import reference as ref
     from dejavu_compile.kernels.triton_common import PDL_ENV, programmatic
 
@@ -311,6 +312,7 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
     w1p, w2p = rand(rank, d), rand(n, rank)
     w1, w_up, w2_t = rand(n, d), rand(n, d), rand(n, d)
     wo_t = rand(heads_n * head_dim, d)
+    wg = rand(3 * d, d)  # a dense GEMV of the MLP's output, its predecessor's
     wo = wo_t.t().contiguous().t()  # the same values on the original layout's storage
     assert heads.reads_columns(wo, head_dim)
     hidx = torch.tensor([[[1, 4, 6, 9, 12, 15]]], device="cuda")
@@ -321,9 +323,10 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
         y_ws = sparse_mlp.sparse_mlp(x, ids, w1, None, w_up, w2_t, None, "silu",
                                      workspace=workspace)
         y = sparse_mlp.sparse_mlp(x, ids, w1, None, w_up, w2_t, None, "silu")
+        g = dense.gemv(y, wg, None)  # its first weights before its wait, y after
         z = heads.sparse_head_out(attn, hidx, wo_t, None, head_dim)
         z_cols = heads.sparse_head_out(attn, hidx, wo, None, head_dim)  # out_layout original
-        return ids, y_ws, y, z, z_cols
+        return ids, y_ws, y, z, z_cols, g
 
     results = {}
     for on in (False, True):
@@ -348,8 +351,11 @@ def test_programmatic_launch_matches_the_reference(monkeypatch):
         for on in (False, True):
             for got in results[on][i][1:3]:
                 torch.testing.assert_close(got.double(), want_y, atol=2e-3, rtol=2e-3)
-            for got in results[on][i][3:]:
+            for got in results[on][i][3:5]:
                 torch.testing.assert_close(got.double(), want_z, atol=2e-3, rtol=2e-3)
+            y, g = results[on][i][2], results[on][i][5]
+            torch.testing.assert_close(g.double(), y.double() @ wg.double().t(), atol=2e-3,
+                                       rtol=2e-3)
     assert not any(torch.equal(results[False][0][0], r[0]) for r in results[False][1:])
     assert not workspace.any()
 

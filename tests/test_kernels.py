@@ -899,7 +899,8 @@ def test_bucket_kernel_ranking_by_counting(units, k, group, buckets, batch, monk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,d", [(37, 50), (3, 16), (70, 33)])  # ragged row blocks and slices
+# ragged row blocks and slices; d within the first slice (no loop after the wait)
+@pytest.mark.parametrize("n,d", [(37, 50), (3, 16), (70, 33), (5, 7)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_dense_gemv_kernel(dtype, n, d, bias):
     """The dense GEMV of a one-row projection equals F.linear, bias included, in x's dtype;
