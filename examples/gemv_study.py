@@ -6,14 +6,26 @@ Replaying one matrix leaves part of it in L2 between replays (50 MB on an H200),
 below that size read faster than from memory: the end-to-end profile (``dejavu bench
 --breakdown``, mode ``dejavu_gemv``) is the measure that counts. Run on a CUDA machine:
 ``TRITON_INTERPRET=0 python examples/gemv_study.py``.
+
+``--chain``: Llama-3-8B's dense attention projections of every layer back to back (each
+layer's fused query, key and value, then its output projection on the query's part, each
+reading the one before's output; the layers' own weights, 2.5 GB, so nothing stays in L2),
+replayed in one CUDA graph: the GEMV launched programmatically (``DEJAVU_PDL=1``: each loads
+its first weight slice before it waits for the one before), plainly (``DEJAVU_PDL=0``) and
+cuBLAS. That is what programmatic launch can save between the GEMVs of a step.
 """
 
 from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 from dejavu_compile.kernels import dense
+from dejavu_compile.kernels.triton_common import PDL_ENV, programmatic
 
 from dejavu_compile.bench import copy_bandwidth, shape_configs
 
@@ -41,7 +53,65 @@ def shapes() -> dict[str, tuple[int, int]]:
     return out
 
 
+def chain_weights(layers: int, d: int, heads: int, kv_heads: int, head_dim: int, device,
+                  dtype=torch.float16, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's fused query, key and value weight [(heads + 2 kv_heads) * head_dim, d] and
+    output projection [d, heads * head_dim], scaled so that the chain keeps its values' size."""
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def rand(n, k):
+        return (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+
+    return [(rand((heads + 2 * kv_heads) * head_dim, d), rand(d, heads * head_dim))
+            for _ in range(layers)]
+
+
+def run_chain(x: torch.Tensor, weights, proj: Callable) -> torch.Tensor:
+    """Each layer's query, key and value projection of ``x`` [1, 1, d], then its output
+    projection of the query's part: ``x`` for the next layer."""
+    for w_qkv, w_o in weights:
+        x = proj(proj(x, w_qkv, None)[..., : w_o.shape[1]], w_o, None)
+    return x
+
+
+def chain_study(layers: int) -> None:
+    cfg = shape_configs()["llama-3-8b"]
+    d, heads = cfg.hidden_size, cfg.num_attention_heads
+    weights = chain_weights(layers, d, heads, cfg.num_key_value_heads, d // heads, "cuda")
+    x = torch.randn(1, 1, d, device="cuda", dtype=torch.float16)
+    gb = sum(w.numel() * w.element_size() for pair in weights for w in pair) / 1e9
+    bw = copy_bandwidth() / 1e9
+    print(f"copy bandwidth {bw:.0f} GB/s; {layers} layers, {gb:.2f} GB of weights")
+    want = run_chain(x, weights, F.linear).float()
+    before = os.environ.get(PDL_ENV)
+    try:
+        for name, pdl, proj in (("gemv, programmatic", "1", dense.gemv),
+                                ("gemv, plain", "0", dense.gemv), ("cuBLAS", "0", F.linear)):
+            os.environ[PDL_ENV] = pdl
+            got = run_chain(x, weights, proj).float()  # autotunes outside the graph
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            ms = triton.testing.do_bench_cudagraph(lambda p=proj: run_chain(x, weights, p),
+                                                   rep=200)
+            print(f"{name:20s} {ms * 1e3 / layers:7.1f} us a layer "
+                  f"({gb / ms / 1e-3 / bw * 100:4.0f}% of copy; programmatic "
+                  f"{proj is dense.gemv and programmatic()})  max err {err:.1e} of the largest")
+    finally:
+        if before is None:
+            os.environ.pop(PDL_ENV, None)
+        else:
+            os.environ[PDL_ENV] = before
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chain", action="store_true",
+                        help="Llama-3-8B's dense attention projections of every layer back to "
+                             "back, programmatic against plain launch and cuBLAS")
+    parser.add_argument("--layers", type=int, default=32)
+    args = parser.parse_args()
+    if args.chain:
+        chain_study(args.layers)
+        return
     bw = copy_bandwidth() / 1e9
     print(f"copy bandwidth {bw:.0f} GB/s")
     for name, (n, d) in shapes().items():

@@ -56,6 +56,25 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
     torch.testing.assert_close(got, want)
 
 
+def test_gemv_study_chain_is_the_layers_projections_in_turn():
+    """``examples/gemv_study.py --chain`` times each layer's query, key and value projection
+    and then its output projection of the query's part, through the GEMV as through
+    ``F.linear``: the same chain (small shapes, the kernel under the interpreter)."""
+    import torch.nn.functional as F
+    from dejavu_compile.kernels import dense
+
+    study = _load(Path(__file__).parents[1] / "examples" / "gemv_study.py")
+    weights = study.chain_weights(3, 24, 4, 2, 6, "cpu", dtype=torch.float32)
+    assert [tuple(w.shape) for w in weights[0]] == [((4 + 2 * 2) * 6, 24), (24, 4 * 6)]
+    x = torch.randn(1, 1, 24, generator=torch.Generator().manual_seed(1))
+    want = F.linear(F.linear(x, weights[0][0])[..., :24], weights[0][1])
+    for w_qkv, w_o in weights[1:]:
+        want = F.linear(F.linear(want, w_qkv)[..., :24], w_o)
+    got = study.run_chain(x, weights, dense.gemv)
+    assert got.shape == (1, 1, 24)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_tile_study_pairs_pins_both_mlp_kernels_and_ranks_the_pairs(monkeypatch):
     """``examples/tile_study.py``'s ``pairs`` runs the sparse MLP with each pair of the fastest
     up and down tiles pinned together (the Triton kernels, under the interpreter, still match
