@@ -532,7 +532,7 @@ def _masked_reference(model, mlp_density: float, head_density: float):
                                mod.weight.t().reshape(heads, hd, -1))
         k = max(1, round(head_density * heads))
         top = contrib.pow(2).sum(-1).topk(k, dim=-1).indices
-        mask = torch.zeros(*a.shape[:-1], heads).scatter_(-1, top, 1.0)
+        mask = a.new_zeros(*a.shape[:-1], heads).scatter_(-1, top, 1.0)
         return (a * mask.repeat_interleave(hd, dim=-1),)
 
     handles = []
