@@ -545,19 +545,26 @@ def _masked_reference(model, mlp_density: float, head_density: float):
     return handles
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_oracle_matches_masked_reference(tiny, arch):
-    model = tiny(arch)
-    ids = prompt(batch=2)
+def oracle_against_masked_reference(model, ids, options: dict | None = None):
+    """(dejavu's decode logits, the masked eager model's, the dense eager model's) of
+    ``model`` on ``ids``, oracle selection at MLP density 0.4 and head density 0.5;
+    ``options`` added to the backend's."""
     with torch.no_grad():
         dense = _decode_logits(model, ids)
         want = _reference_logits(model, ids, lambda: _masked_reference(
             model, mlp_density=0.4, head_density=0.5))
-        # the reference masks each row by its own selection
         compiled = torch.compile(model, backend="dejavu", options={
             "selector": "oracle", "mlp_density": 0.4, "attention_density": 0.5,
-            "batch_selection": "row"})
+            **(options or {})})
         got = _decode_logits(compiled, ids)
+    return got, want, dense
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_oracle_matches_masked_reference(tiny, arch):
+    # the reference masks each row by its own selection
+    got, want, dense = oracle_against_masked_reference(tiny(arch), prompt(batch=2),
+                                                       {"batch_selection": "row"})
     torch.testing.assert_close(got, want, **FP32)
     assert not torch.allclose(got, dense, atol=1e-3), "sparsity had no effect"
 

@@ -733,25 +733,6 @@ def test_fused_rms_norms_in_the_captured_llama_step(tmp_path, monkeypatch):
 GPU_FP32 = dict(atol=1e-4, rtol=1e-4)
 
 
-def family_against_masked_reference(model, device: str, options: dict | None = None):
-    """(dejavu's decode logits, the masked eager model's, the dense eager model's, the
-    compile report's counters) of ``model`` moved to ``device`` in fp32, oracle selection at
-    MLP density 0.4 and head density 0.5 (``tests/test_backend.py``'s reference)."""
-    from .test_backend import _decode_logits, _masked_reference, _reference_logits
-
-    model = model.to(device)
-    ids = prompt().to(device)
-    with torch.no_grad():
-        dense = _decode_logits(model, ids)
-        want = _reference_logits(model, ids, lambda: _masked_reference(
-            model, mlp_density=0.4, head_density=0.5))
-        compiled = torch.compile(model, backend="dejavu", options={
-            "selector": "oracle", "mlp_density": 0.4, "attention_density": 0.5,
-            **(options or {})})
-        got = _decode_logits(compiled, ids)
-    return got, want, dense, dejavu_compile.report(model).counters
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_family_matches_the_masked_reference_on_the_gpu(tiny, arch):
     """Every supported family through the default pipeline on CUDA (the Triton sparse
@@ -759,7 +740,11 @@ def test_each_family_matches_the_masked_reference_on_the_gpu(tiny, arch):
     fused norms where the family has them), in fp32 so that the oracle picks the units it
     picks on the CPU: the logits of the eager model masked to the oracle's selection, as
     ``tests/test_backend.py`` checks on the CPU."""
-    got, want, dense, counters = family_against_masked_reference(tiny(arch), "cuda")
+    from .test_backend import oracle_against_masked_reference
+
+    model = tiny(arch).cuda()
+    got, want, dense = oracle_against_masked_reference(model, prompt().cuda())
+    counters = dejavu_compile.report(model).counters
     torch.testing.assert_close(got, want, **GPU_FP32)
     assert not torch.allclose(got, dense, atol=1e-3), "sparsity had no effect"
     assert counters.get("dense_gemv", 0) > 0 and counters.get("decode_attention", 0) > 0, \
