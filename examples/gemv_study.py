@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +84,7 @@ def chain_study(layers: int) -> None:
     bw = copy_bandwidth() / 1e9
     print(f"copy bandwidth {bw:.0f} GB/s; {layers} layers, {gb:.2f} GB of weights")
     want = run_chain(x, weights, F.linear).float()
-    before = os.environ.get(PDL_ENV)
-    try:
+    with mock.patch.dict(os.environ):  # the environment restored afterwards
         for name, pdl, proj in (("gemv, programmatic", "1", dense.gemv),
                                 ("gemv, plain", "0", dense.gemv), ("cuBLAS", "0", F.linear)):
             os.environ[PDL_ENV] = pdl
@@ -95,11 +95,6 @@ def chain_study(layers: int) -> None:
             print(f"{name:20s} {ms * 1e3 / layers:7.1f} us a layer "
                   f"({gb / ms / 1e-3 / bw * 100:4.0f}% of copy; programmatic "
                   f"{proj is dense.gemv and programmatic()})  max err {err:.1e} of the largest")
-    finally:
-        if before is None:
-            os.environ.pop(PDL_ENV, None)
-        else:
-            os.environ[PDL_ENV] = before
 
 
 def main() -> None:

@@ -87,13 +87,13 @@ def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
 
 def test_step_variants_match_the_default_step(tmp_path, monkeypatch):
     """The decode step under CUDA graphs with the bench's kernel variants (the row-storing
-    kernels, ``dense_gemv`` said, the split-K decode attention with its mask read in place and its
-    chunks merged in the same launch (option ``merge_attention``), which the lower pass puts in
-    place of SDPA, and the output projections read on their original layout, option
-    ``out_layout``) gives the logits of the step with SDPA and the default kernels, to the
-    tolerance of fp16 sums added in another order; so does the step with zero-filled buffers
-    instead of the workspaces kept zero, and a combine launch after the split kernel (option
-    ``workspaces`` off and ``merge_attention`` at its default, off).
+    kernels, ``dense_gemv`` said, the split-K decode attention with its mask read in place
+    and its chunks merged in the same launch (option ``merge_attention``), which the lower
+    pass puts in place of SDPA, and the output projections read on their original layout,
+    option ``out_layout``) gives the logits of the step with SDPA and the default kernels, to
+    the tolerance of fp16 sums added in another order; so does the step with zero-filled
+    buffers instead of the workspaces kept zero, and a combine launch after the split kernel
+    (option ``workspaces`` off and ``merge_attention`` at its default, off).
 
     The fixed selector keeps the selection apart from the numerics: with the profile's random
     predictors, sums added in another order flip near-tied units in and out of the top-k, and
@@ -688,10 +688,10 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
 
 def test_fused_rms_norms_in_the_captured_llama_step(tmp_path, monkeypatch):
     """Option ``fuse_rms_norm`` (on by default; bench mode ``dejavu_captured_ahead_rms_pdl``)
-    in the captured lookahead step of a small Llama, its attention dense: each sparse MLP's down kernel runs
-    without its finish and an RMS add-norm launch finishes its sums, and the replayed step
-    gives the logits of the step without the option, to the tolerance of fp16 sums added in
-    another order."""
+    in the captured lookahead step of a small Llama, its attention dense: each sparse MLP's
+    down kernel runs without its finish and an RMS add-norm launch finishes its sums, and the
+    replayed step gives the logits of the step without the option, to the tolerance of fp16
+    sums added in another order."""
     from dejavu_compile.kernels import triton_common as tc
 
     from dejavu_compile.bench import kernel_switches, random_profile
