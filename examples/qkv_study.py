@@ -16,6 +16,16 @@ layer:
   (``heads``, the default) and over the selection's slots (``selection``, built in the
   thirty-first session), side by side (``lazy_kv.GRIDS``).
 
+With ``--gemv``, two GEMV forms of the same bytes beside them (the question being whether a
+lazy launch whose programs read whole weight rows, as ``dejavu::gemv`` does, would be faster
+than the tensor-core tiles): ``qkv gemv store``, the stacked launch through
+``_head_proj_store_kernel`` (``DEJAVU_STORE_ROWS=1``: each program covers all of d for its
+rows and stores them, no atomics, no finish); and ``gathered gemv``, ``dejavu::gemv`` over a
+copy of the selected rows made contiguous beforehand (``gathered_rows``), the bound of such a
+form with no gather and no cache stores. In the forty-first session a chain of Llama-3-8B's
+dense attention projections ran at 86% of copy bandwidth through ``dejavu::gemv``
+(``examples/gemv_study.py --chain``), where the lazy launch reads at about 60%.
+
 With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``. With
 ``--unsplit``, ``lazy qkv`` at each tile of ``UNSPLIT`` (d split over one or two programs,
 narrow column tiles: as many programs with fewer or no atomics and no finish in the last
@@ -35,10 +45,13 @@ and 27.7 at its best. Run on a CUDA machine:
 from __future__ import annotations
 
 import argparse
+import os
+from unittest import mock
 
 import torch
 import triton
-from dejavu_compile.kernels import heads, kv_state, lazy_kv
+from dejavu_compile.kernels import dense, heads, kv_state, lazy_kv
+from dejavu_compile.kernels.triton_common import STORE_ROWS_ENV
 
 D, H, HD, L, POS = 5120, 40, 128, 256, 200
 # tiles of the lazy kernels' tensor-core form (one position tile of 16) timed with --sweep
@@ -59,12 +72,31 @@ def stacked_selection(idx: torch.Tensor, heads_per_matrix: int, matrices: int) -
     return torch.cat([idx + m * heads_per_matrix for m in range(matrices)], dim=-1)
 
 
+def gathered_rows(idx: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The weight-row ids of the heads ``idx`` names (any shape, ids in order), each head's
+    ``head_dim`` rows in turn: indexing a weight with them gives the selected rows contiguous."""
+    offsets = torch.arange(head_dim, device=idx.device)
+    return (idx.reshape(-1, 1) * head_dim + offsets).reshape(-1)
+
+
+def storing_rows(fn):
+    """``fn`` run with ``DEJAVU_STORE_ROWS=1`` (the head projection's row-storing kernel), the
+    environment restored after each call."""
+    def run(*args):
+        with mock.patch.dict(os.environ, {STORE_ROWS_ENV: "1"}):
+            return fn(*args)
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.5)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the lazy kernels at each tile of SWEEP")
+    parser.add_argument("--gemv", action="store_true",
+                        help="also time the row-storing stacked launch and dejavu::gemv over "
+                             "the selected rows gathered beforehand")
     parser.add_argument("--unsplit", action="store_true",
                         help="time the fused launch at each tile of UNSPLIT instead of the "
                              "grids' tiles")
@@ -110,6 +142,14 @@ def main() -> None:
         "lazy kv": (2, lazy),
         "q gemv": (1, lambda lay: heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD)),
     }
+    if args.gemv:
+        rows = gathered_rows(idx_qkv, HD)
+        for lay in layers:
+            lay["gathered"], lay["gathered_b"] = lay["w"][rows].contiguous(), lay["b"][rows]
+        variants["qkv gemv store"] = (3, storing_rows(
+            lambda lay: heads.sparse_head_proj(x, idx_qkv, lay["w"], lay["b"], HD)))
+        variants["gathered gemv"] = (3, lambda lay: dense.gemv(x, lay["gathered"],
+                                                               lay["gathered_b"]))
     for cfg in [] if args.unsplit else lazy_kv.DECODE_TILES:  # each grid at each such tile
         name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT}".format(**cfg)
         for grid in lazy_kv.GRIDS:

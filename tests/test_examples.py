@@ -54,6 +54,15 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
                                              b[m * rows:(m + 1) * rows], hd)
                       for m in range(3)], dim=-1)
     torch.testing.assert_close(got, want)
+    # --gemv: the row-storing launch gives the same rows, and dejavu::gemv over the selected
+    # rows gathered beforehand gives the selected columns of that launch's output
+    from dejavu_compile.kernels import dense
+
+    torch.testing.assert_close(study.storing_rows(heads.sparse_head_proj)(x, stacked, w, b, hd),
+                               want)
+    rows = study.gathered_rows(stacked, hd)
+    assert rows.tolist() == [r for h in (1, 3, 5, 7, 9, 11) for r in range(h * hd, (h + 1) * hd)]
+    torch.testing.assert_close(dense.gemv(x, w[rows].contiguous(), b[rows]), want[..., rows])
 
 
 def test_gemv_study_chain_is_the_layers_projections_in_turn():
