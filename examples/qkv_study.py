@@ -26,6 +26,12 @@ form with no gather and no cache stores. In the forty-first session a chain of L
 dense attention projections ran at 86% of copy bandwidth through ``dejavu::gemv``
 (``examples/gemv_study.py --chain``), where the lazy launch reads at about 60%.
 
+With ``--rows``, ``lazy qkv`` in its row form (``lazy_kv.ROWS_TILES``: each program's whole
+weight rows read over d, the new position a GEMV, no split; built in the forty-first
+session). Every position is present here, as in most heads of a step; the row form's time
+with missing positions (its rows read again to fill them) shows in the step
+(``dejavu bench`` mode ``dejavu_captured_qkv_rows_pdl``).
+
 With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``. With
 ``--unsplit``, ``lazy qkv`` at each tile of ``UNSPLIT`` (d split over one or two programs,
 narrow column tiles: as many programs with fewer or no atomics and no finish in the last
@@ -97,6 +103,8 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="also time the row-storing stacked launch and dejavu::gemv over "
                              "the selected rows gathered beforehand")
+    parser.add_argument("--rows", action="store_true",
+                        help="also time the lazy launch's row form at each of its tiles")
     parser.add_argument("--unsplit", action="store_true",
                         help="time the fused launch at each tile of UNSPLIT instead of the "
                              "grids' tiles")
@@ -142,6 +150,10 @@ def main() -> None:
         "lazy kv": (2, lazy),
         "q gemv": (1, lambda lay: heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD)),
     }
+    if args.rows:
+        for cfg in lazy_kv.ROWS_TILES:
+            name = "rows C{BLOCK_C} D{BLOCK_D} w{num_warps}".format(**cfg)
+            variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
     if args.gemv:
         rows = gathered_rows(idx_qkv, HD)
         for lay in layers:

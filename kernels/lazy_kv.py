@@ -26,6 +26,11 @@ counter. All programs of a tile see the same missing positions: the rows are sto
 every one of them has counted itself. Under ``torch.use_deterministic_algorithms`` a decode step
 runs unsplit (``step_config``): the atomics' order would change the bits from run to run.
 
+Row form (``ROWS``; ``DEJAVU_LAZY_FORM=rows``, or a config that says it): a decode step's
+program computes the new position first as a GEMV of its ``BLOCK_C`` whole weight rows (over
+d in slices of ``BLOCK_D``, one program over all of d, stored at once), then fills missing
+positions, if any, with the position tiles above over the same rows, read again.
+
 With the query (``lazy_qkv``, option ``fuse_qkv``; ``MATS`` 3): a third matrix in the grid,
 whose programs compute the selected heads' query columns at the new positions only (never a
 missing one) into the returned rows [B, n, H * hd], and store zeros in the other heads'
@@ -56,6 +61,7 @@ from .reference import id_rows
 from .triton_common import (
     INTERPRET,
     QUICK_TUNE,
+    add_rows,
     check_dtype,
     deterministic,
     dot_rows,
@@ -96,6 +102,24 @@ DECODE_FIXED = ({"BLOCK_P": 4, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "SPLI
 # the tensor-core form), no atomics (the split form's sums meet in no fixed order), so a step
 # gives the same bits every run
 DETERMINISTIC_FIXED = {**DECODE_FIXED, "SPLIT": 1}
+# The row form (``ROWS``, built in the forty-first session, not yet measured): the new
+# position, a decode step's only one, as ``dejavu::gemv`` computes a row (kernels/dense.py):
+# BLOCK_C whole weight rows a program, read over d in slices of BLOCK_D into a 2-d
+# accumulator reduced once; no split, no atomics, no finish. Missing positions are then
+# filled by the loop of the forms above (BLOCK_P, DOT, BLOCK_K), reading the program's
+# weight rows again, from L2 if they are still there. In the forty-first session
+# dejavu::gemv read Llama-3-8B's dense attention projections at 86% of copy bandwidth in a
+# chain of 32 layers (examples/gemv_study.py --chain), where the lazy launch reads OPT-13B's
+# at about 60% (examples/qkv_study.py). Run where ``DEJAVU_LAZY_FORM=rows`` (``FORM_ENV``;
+# ``ROWS_FIXED``) or given as a config; the tiles of ``qkv_study.py --rows``.
+ROWS_TILES = [{"ROWS": True, "BLOCK_C": c, "BLOCK_D": bd, "BLOCK_P": 16, "DOT": c >= 16,
+               "BLOCK_K": 64 if c >= 16 else 32, "SPLIT": 1, "num_warps": w, "num_stages": 3}
+              for c, bd, w in ((8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 256, 4),
+                               (4, 1024, 4), (16, 1024, 8))]
+ROWS_FIXED = ({"ROWS": True, "BLOCK_C": 4, "BLOCK_D": 16, "BLOCK_P": 4, "DOT": False,
+               "BLOCK_K": 16, "SPLIT": 1, "num_warps": 1} if INTERPRET else ROWS_TILES[0])
+FORMS = ("tiles", "rows")
+FORM_ENV = "DEJAVU_LAZY_FORM"
 # a prefill through the op (several new tokens): every head, tiles of 64 positions
 PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C": 32,
                  "BLOCK_K": 32 if INTERPRET else 64, "SPLIT": 1, "num_warps": 4}
@@ -123,6 +147,15 @@ def default_grid() -> str:
     if grid not in GRIDS:
         raise ValueError(f"{GRID_ENV}={grid!r}: set it to one of {GRIDS}")
     return grid
+
+
+def default_form() -> str:
+    """The form of a decode step given no config: ``DEJAVU_LAZY_FORM`` if set (one of
+    ``FORMS``, else an error), else "tiles" (the autotuned tiles; "rows": ``ROWS_FIXED``)."""
+    form = os.environ.get(FORM_ENV, FORMS[0])
+    if form not in FORMS:
+        raise ValueError(f"{FORM_ENV}={form!r}: set it to one of {FORMS}")
+    return form
 
 
 def decode_configs() -> list[triton.Config]:
@@ -181,7 +214,7 @@ def _lazy_kv_kernel(
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
     SPLIT: tl.constexpr, MATS: tl.constexpr, SEL: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ROWS: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
 ):
     # the position, ids, input and the state of the cache may all be the kernels' before
     wait_inputs(PDL)
@@ -232,11 +265,27 @@ def _lazy_kv_kernel(
     mask_c = offs_c < HD
     rows_w = h * HD + offs_c
     if chosen > 0:
+        end = e
+        if ROWS:  # the new position (a decode step's one) as a GEMV of whole weight rows
+            rows64 = rows_w.to(tl.int64)
+            acc2 = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < D
+                xd = tl.load(x_ptr + b * stride_xb + offs_d, mask=mask_d, other=0.0)
+                acc2 = add_rows(acc2, w_ptr, rows64, mask_c, stride_w, offs_d, mask_d,
+                                xd.to(tl.float32))
+            new_row = tl.sum(acc2, 1)
+            if HAS_B:
+                new_row += tl.load(b_ptr + rows_w, mask=mask_c, other=0.0).to(tl.float32)
+            tl.store(cache + s * stride_l + offs_c, new_row.to(cache.dtype.element_ty),
+                     mask=mask_c)
+            end = s  # the missing positions below, their weights read again (from L2)
         tile = 0
-        for p0 in range(start, e, BLOCK_P):
+        for p0 in range(start, end, BLOCK_P):
             offs_p = p0 + tl.arange(0, BLOCK_P)
             old = offs_p < s
-            new = (offs_p >= s) & (offs_p < e)
+            new = (offs_p >= s) & (offs_p < end)  # none with ROWS: stored above
             kept = tl.load(cache + offs_p[:, None] * stride_l + offs_c[None, :],
                            mask=old[:, None] & mask_c[None, :], other=0.0)
             missing = old & (tl.max(tl.abs(kept.to(tl.float32)), 1) == 0.0)
@@ -311,10 +360,17 @@ _decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD", "MATS
 
 def step_config(n: int, config: dict | None = None) -> dict | None:
     """The fixed config a call with ``n`` new tokens runs, None for the autotuned decode
-    kernel: a prefill ``PREFILL_FIXED``; a decode step ``config`` when given, else in
-    deterministic mode ``DETERMINISTIC_FIXED`` (``config`` too must then not split d)."""
+    kernel: a prefill ``PREFILL_FIXED``; a decode step ``config`` when given, else
+    ``ROWS_FIXED`` where ``default_form()`` is "rows", else in deterministic mode
+    ``DETERMINISTIC_FIXED`` (``config`` too must then not split d). A row-form config must not
+    split d (its programs store their rows)."""
     if n > 1:
         return PREFILL_FIXED
+    if config is not None and config.get("ROWS") and config["SPLIT"] != 1:
+        raise ValueError(f"lazy_kv: a row-form config (ROWS) covers all of d in each program: "
+                         f"SPLIT must be 1, got {config['SPLIT']}")
+    if config is None and default_form() == "rows":
+        config = ROWS_FIXED
     if deterministic():
         if config is not None and config["SPLIT"] > 1:
             raise ValueError("lazy_kv: a config that splits d (SPLIT > 1) adds its sums with "
@@ -326,8 +382,9 @@ def step_config(n: int, config: dict | None = None) -> dict | None:
 def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
             grid: str | None = None) -> None:
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
-    new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``-like dict) when
-    given; a prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
+    new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``- or
+    ``ROWS_FIXED``-like dict) when given, or ``ROWS_FIXED`` where ``DEJAVU_LAZY_FORM=rows``; a
+    prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
     (``step_config``). ``grid``: one of ``GRIDS``, ``default_grid()`` when None."""
     _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid)
 

@@ -560,6 +560,25 @@ def test_only_the_sel_mode_sets_the_lazy_grid(monkeypatch):
         lazy_kv.default_grid()
 
 
+def test_only_the_rows_mode_sets_the_lazy_form(monkeypatch):
+    """``dejavu_captured_qkv_rows_pdl`` runs the lazy K/V kernel's row form
+    (``DEJAVU_LAZY_FORM=rows``), every other mode its tiles whatever the environment said; it
+    is OPT-13B's default step otherwise; the environment is restored."""
+    from dejavu_compile.kernels import lazy_kv
+
+    assert bench._DEJAVU_MODES["dejavu_captured_qkv_rows_pdl"] == \
+        bench._DEJAVU_MODES["dejavu_captured_qkv_pdl"]
+    assert "dejavu_captured_qkv_rows_pdl" in bench.SPARSE_MODES
+    monkeypatch.setenv(lazy_kv.FORM_ENV, "rows")  # set outside: the mode says its own
+    for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_qkv_sel_pdl"):
+        with bench.kernel_switches(mode):
+            assert lazy_kv.default_form() == "tiles" and lazy_kv.step_config(1) is None
+    with bench.kernel_switches("dejavu_captured_qkv_rows_pdl"):
+        assert lazy_kv.default_form() == "rows"
+        assert lazy_kv.step_config(1) is lazy_kv.ROWS_FIXED
+    assert os.environ[lazy_kv.FORM_ENV] == "rows"
+
+
 def test_only_the_early_modes_load_the_up_kernels_ids_before_the_wait(monkeypatch):
     """The modes named ``*_early_pdl`` run with ``DEJAVU_EARLY_IDS=1``, every other mode
     without it, whatever the environment said; the environment is restored."""
