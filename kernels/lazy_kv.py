@@ -110,8 +110,11 @@ DETERMINISTIC_FIXED = {**DECODE_FIXED, "SPLIT": 1}
 # weight rows again, from L2 if they are still there. In the forty-first session
 # dejavu::gemv read Llama-3-8B's dense attention projections at 86% of copy bandwidth in a
 # chain of 32 layers (examples/gemv_study.py --chain), where the lazy launch reads OPT-13B's
-# at about 60% (examples/qkv_study.py). Run where ``DEJAVU_LAZY_FORM=rows`` (``FORM_ENV``;
-# ``ROWS_FIXED``) or given as a config; the tiles of ``qkv_study.py --rows``.
+# at about 60% (examples/qkv_study.py). Run where ``DEJAVU_LAZY_FORM=rows`` (``FORM_ENV``:
+# the autotuner's choice among ``ROWS_TILES``, ``_rows_kernel``; ``ROWS_FIXED`` in
+# deterministic mode and under quick tuning) or given as a config; ``qkv_study.py --rows``
+# times each tile. Every tile fills missing positions the same way, so the autotuner, which
+# times a call with few of them, does not favour a tile that fills them slowly.
 ROWS_TILES = [{"ROWS": True, "BLOCK_C": c, "BLOCK_D": bd, "BLOCK_P": 16, "DOT": c >= 16,
                "BLOCK_K": 64 if c >= 16 else 32, "SPLIT": 1, "num_warps": w, "num_stages": 3}
               for c, bd, w in ((8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 256, 4),
@@ -151,7 +154,7 @@ def default_grid() -> str:
 
 def default_form() -> str:
     """The form of a decode step given no config: ``DEJAVU_LAZY_FORM`` if set (one of
-    ``FORMS``, else an error), else "tiles" (the autotuned tiles; "rows": ``ROWS_FIXED``)."""
+    ``FORMS``, else an error), else "tiles" (``DECODE_TILES``; "rows": ``ROWS_TILES``)."""
     form = os.environ.get(FORM_ENV, FORMS[0])
     if form not in FORMS:
         raise ValueError(f"{FORM_ENV}={form!r}: set it to one of {FORMS}")
@@ -355,21 +358,31 @@ def _lazy_kv_kernel(
         _record_prefix(cnt_ptr + bh, valid_ptr + bh, programs, tl.where(chosen > 0, e, lo))
 
 
+def rows_configs() -> list[triton.Config]:
+    """The row form's tiles the autotuner sweeps (``ROWS_TILES``); ``ROWS_FIXED`` alone under
+    the interpreter and with quick tuning."""
+    if INTERPRET or QUICK_TUNE:
+        return [fixed_config(ROWS_FIXED)]
+    return [fixed_config(tile) for tile in ROWS_TILES]
+
+
 _decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD", "MATS"])(_lazy_kv_kernel)
+_rows_kernel = triton.autotune(configs=rows_configs(), key=["D", "HD", "MATS"])(_lazy_kv_kernel)
 
 
 def step_config(n: int, config: dict | None = None) -> dict | None:
     """The fixed config a call with ``n`` new tokens runs, None for the autotuned decode
-    kernel: a prefill ``PREFILL_FIXED``; a decode step ``config`` when given, else
-    ``ROWS_FIXED`` where ``default_form()`` is "rows", else in deterministic mode
-    ``DETERMINISTIC_FIXED`` (``config`` too must then not split d). A row-form config must not
-    split d (its programs store their rows)."""
+    kernel of ``default_form()`` (``_decode_kernel`` or ``_rows_kernel``): a prefill
+    ``PREFILL_FIXED``; a decode step ``config`` when given, else in deterministic mode
+    ``ROWS_FIXED`` for the row form and ``DETERMINISTIC_FIXED`` for the tiles (``config`` too
+    must then not split d). A row-form config must not split d (its programs store their
+    rows)."""
     if n > 1:
         return PREFILL_FIXED
     if config is not None and config.get("ROWS") and config["SPLIT"] != 1:
         raise ValueError(f"lazy_kv: a row-form config (ROWS) covers all of d in each program: "
                          f"SPLIT must be 1, got {config['SPLIT']}")
-    if config is None and default_form() == "rows":
+    if config is None and deterministic() and default_form() == "rows":
         config = ROWS_FIXED
     if deterministic():
         if config is not None and config["SPLIT"] > 1:
@@ -383,7 +396,8 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = Non
             grid: str | None = None) -> None:
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
     new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``- or
-    ``ROWS_FIXED``-like dict) when given, or ``ROWS_FIXED`` where ``DEJAVU_LAZY_FORM=rows``; a
+    ``ROWS_FIXED``-like dict) when given, or the autotuned row form where
+    ``DEJAVU_LAZY_FORM=rows``; a
     prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
     (``step_config``). ``grid``: one of ``GRIDS``, ``default_grid()`` when None."""
     _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid)
@@ -452,6 +466,7 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) 
     fixed = step_config(n, config)
     meta.update(pdl_meta())
     if fixed is None:
-        _decode_kernel[launch_grid](*args, **meta)
+        tuner = _rows_kernel if default_form() == "rows" else _decode_kernel
+        tuner[launch_grid](*args, **meta)
     else:
         _lazy_kv_kernel[launch_grid](*args, **meta, **fixed)

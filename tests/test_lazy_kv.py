@@ -239,14 +239,21 @@ def test_deterministic_mode_runs_the_kernel_unsplit():
 
 
 def test_the_row_form_is_chosen_by_its_switch_and_never_split(monkeypatch):
-    """``DEJAVU_LAZY_FORM=rows`` makes a decode step given no config run ``ROWS_FIXED`` (in
-    deterministic mode too: it has no atomics), which matches the reference; a prefill keeps
-    ``PREFILL_FIXED``; a row-form config that splits d and an unknown form are refused with
-    errors that name them."""
-    from dejavu_compile.kernels import lazy_kv
+    """``DEJAVU_LAZY_FORM=rows`` makes a decode step given no config run the row form's
+    autotuner (``_rows_kernel``, over ``ROWS_TILES``; ``ROWS_FIXED`` alone here and in
+    deterministic mode, where it needs no atomics), which matches the reference; a prefill
+    keeps ``PREFILL_FIXED``; a row-form config that splits d and an unknown form are refused
+    with errors that name them."""
+    from dejavu_compile.kernels import lazy_kv, tuning
+    from dejavu_compile.kernels.triton_common import INTERPRET, QUICK_TUNE
 
+    assert tuning.autotuners()["lazy_kv._rows_kernel"] is lazy_kv._rows_kernel
+    tiles = [lazy_kv.ROWS_FIXED] if INTERPRET or QUICK_TUNE else lazy_kv.ROWS_TILES
+    assert [c.kwargs for c in lazy_kv._rows_kernel.configs] == [
+        {k: v for k, v in t.items() if k not in ("num_warps", "num_stages")} for t in tiles]
+    assert all(t["ROWS"] and t["SPLIT"] == 1 for t in lazy_kv.ROWS_TILES)
     monkeypatch.setenv(lazy_kv.FORM_ENV, "rows")
-    assert lazy_kv.step_config(1) is lazy_kv.ROWS_FIXED
+    assert lazy_kv.step_config(1) is None  # autotuned, by the row form's tuner
     assert lazy_kv.step_config(1, _CONFIGS["dot"]) is _CONFIGS["dot"]  # a given config wins
     assert lazy_kv.step_config(4) is lazy_kv.PREFILL_FIXED
     before = torch.are_deterministic_algorithms_enabled()
@@ -256,7 +263,11 @@ def test_the_row_form_is_chosen_by_its_switch_and_never_split(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before)
     shape = dict(batch=2, hd=24, bias=True, seed=7)
+    runs = []
+    run = lazy_kv._rows_kernel.run
+    monkeypatch.setattr(lazy_kv._rows_kernel, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
     got = _steps(lazy_kv.lazy_kv, torch.float16, **shape)
+    assert len(runs) == 10  # every decode step ran the row form's tuner
     want = _steps(_ref_on_state, torch.float16, **shape)
     for g, w in zip(got[:2], want[:2], strict=True):
         torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
@@ -264,7 +275,7 @@ def test_the_row_form_is_chosen_by_its_switch_and_never_split(monkeypatch):
         lazy_kv.step_config(1, {**_CONFIGS["rows"], "SPLIT": 2})
     monkeypatch.setenv(lazy_kv.FORM_ENV, "gemv")
     with pytest.raises(ValueError, match="DEJAVU_LAZY_FORM='gemv'"):
-        lazy_kv.step_config(1)
+        _steps(lazy_kv.lazy_kv, torch.float16, **shape)
     monkeypatch.delenv(lazy_kv.FORM_ENV)
     assert lazy_kv.step_config(1) is None
 
