@@ -472,6 +472,38 @@ def test_programmatic_launch_in_the_captured_lazy_step():
                                atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+def test_row_form_in_the_captured_qkv_step():
+    """The bench's ``dejavu_captured_qkv_rows_pdl`` step on a small OPT (lazy query, key and
+    value launch in its row form, ``DEJAVU_LAZY_FORM=rows``, autotuned), replayed through
+    ``CapturedStep``: the logits of ``dejavu_captured_qkv_pdl``'s step (the tiles), to the
+    tolerance of fp16 sums added in another order. The fixed selector keeps the selections
+    equal (see ``test_fused_query_matches_the_lazy_step``); the row form's fill of missing
+    positions is checked against the reference in ``tests/test_lazy_kv.py``."""
+    from dejavu_compile.kernels import lazy_kv
+
+    from dejavu_compile.bench import kernel_switches
+
+    model = _small_opt(6)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(8))
+    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+               "lazy_kv": True, "fuse_qkv": True, "cudagraphs": False}
+    runs = {}
+    for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_qkv_rows_pdl"):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+        with kernel_switches(mode):
+            assert lazy_kv.default_form() == ("rows" if "rows" in mode else "tiles")
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
+                                                tokens, 24)
+    assert dejavu_compile.report(model).counters.get("fuse_qkv", 0) >= 5
+    assert lazy_kv._rows_kernel.cache  # the autotuner chose a row tile
+    want = runs["dejavu_captured_qkv_pdl"]
+    torch.testing.assert_close(runs["dejavu_captured_qkv_rows_pdl"], want,
+                               atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
 def _off_and_on(model, tokens: torch.Tensor, steps: int, base: dict, option: str,
                 mode: str) -> tuple[dict, dict]:
     """The teacher-forced logits of the step replayed through ``CapturedStep`` and Inductor's
