@@ -440,6 +440,29 @@ def test_fused_query_matches_the_lazy_step():
     torch.testing.assert_close(runs[True], want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+def _captured_modes(model, seed: int, fuse_qkv: bool, modes, switched) -> dict:
+    """The teacher-forced logits of 24 steps of a small OPT with lazy K/V (fixed selector, MLP
+    0.25, heads 0.5; the query in the lazy launch with ``fuse_qkv``) compiled afresh and
+    replayed through ``CapturedStep`` under ``kernel_switches`` of each of ``modes``, by mode;
+    ``switched(mode)`` must hold inside each."""
+    from dejavu_compile.bench import kernel_switches
+
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(seed))
+    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+               "lazy_kv": True, "fuse_qkv": fuse_qkv, "cudagraphs": False}
+    runs = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+        with kernel_switches(mode):
+            assert switched(mode), mode
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
+                                                tokens, 24)
+    return runs
+
+
 def test_programmatic_launch_in_the_captured_lazy_step():
     """The bench's ``dejavu_captured_lazy_pdl`` step on a small OPT: lazy K/V, replayed through
     ``CapturedStep``, with ``DEJAVU_PDL=1`` gives the logits of the same step launched plainly,
@@ -448,24 +471,11 @@ def test_programmatic_launch_in_the_captured_lazy_step():
     every kernel of the step against its predecessors in one stream, not a side stream's."""
     from dejavu_compile.kernels.triton_common import programmatic
 
-    from dejavu_compile.bench import kernel_switches
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
     model = _small_opt(6)
-    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(5))
-    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-               "lazy_kv": True, "fuse_qkv": False, "cudagraphs": False}
-    runs = {}
-    for mode in ("dejavu_captured_lazy", "dejavu_captured_lazy_pdl"):
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        with kernel_switches(mode):
-            assert programmatic() == mode.endswith("_pdl")
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                                tokens, 24)
+    runs = _captured_modes(model, 5, False, ("dejavu_captured_lazy", "dejavu_captured_lazy_pdl"),
+                           lambda mode: programmatic() == mode.endswith("_pdl"))
     assert dejavu_compile.report(model).counters.get("lazy_kv", 0) >= 5
     want = runs["dejavu_captured_lazy"]
     torch.testing.assert_close(runs["dejavu_captured_lazy_pdl"], want,
@@ -481,22 +491,11 @@ def test_row_form_in_the_captured_qkv_step():
     positions is checked against the reference in ``tests/test_lazy_kv.py``."""
     from dejavu_compile.kernels import lazy_kv
 
-    from dejavu_compile.bench import kernel_switches
-
     model = _small_opt(6)
-    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(8))
-    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-               "lazy_kv": True, "fuse_qkv": True, "cudagraphs": False}
-    runs = {}
-    for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_qkv_rows_pdl"):
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        with kernel_switches(mode):
-            assert lazy_kv.default_form() == ("rows" if "rows" in mode else "tiles")
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                                tokens, 24)
+    runs = _captured_modes(model, 8, True, ("dejavu_captured_qkv_pdl",
+                                            "dejavu_captured_qkv_rows_pdl"),
+                           lambda mode: lazy_kv.default_form() == ("rows" if "rows" in mode
+                                                                   else "tiles"))
     assert dejavu_compile.report(model).counters.get("fuse_qkv", 0) >= 5
     assert lazy_kv._rows_kernel.cache  # the autotuner chose a row tile
     want = runs["dejavu_captured_qkv_pdl"]
