@@ -762,6 +762,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl",
          "dejavu_captured_qkv_gemv_pdl", "dejavu_captured_ahead_nogemv_pdl",
          "dejavu_captured_qkv_nogemv_pdl", "dejavu_captured_qkv_rows_pdl",
+         "dejavu_captured_qkv_rows_early_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
@@ -910,8 +911,11 @@ _DEJAVU_MODES = {
                                                                   "dense_gemv": False}),
     # dejavu_captured_qkv_pdl (OPT-13B's default step) with the lazy query, key and value
     # launch in its row form (lazy_kv.FORM_ENV set to "rows"; kernel_switches): the new
-    # position a GEMV of whole weight rows, missing positions filled after it
+    # position a GEMV of whole weight rows, missing positions filled after it; and that step
+    # with DEJAVU_EARLY_IDS=1 (as the *_early_pdl modes), with which the row form, its ids a
+    # lookahead predictor's, loads its first weights before its wait
     "dejavu_captured_qkv_rows_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
+    "dejavu_captured_qkv_rows_early_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # OPT-13B's and Llama-3-8B's default steps with the decode attention's chunks merged by
     # the split kernel's last program of each KV head (option merge_attention) instead of a
     # combine launch (thirty-eighth and thirty-ninth sessions' breakdowns: 88 and 52 us a
@@ -938,7 +942,8 @@ def kernel_switches(mode: str):
     ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
     ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
     ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_LAZY_FORM`` (the lazy K/V kernel's decode form)
-    "rows" for ``dejavu_captured_qkv_rows_pdl``, ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
+    "rows" for ``dejavu_captured_qkv_rows_pdl`` and ``dejavu_captured_qkv_rows_early_pdl``,
+    ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
     attention's output projection load their ids and first weights before their wait) 1 for
     the modes named ``*_early_pdl``, ``DEJAVU_NORM_FINISH`` (where a fused norm is computed)
     "last" for ``dejavu_captured_qkv_norm_pdl``, "kernel" for
@@ -972,7 +977,7 @@ def kernel_switches(mode: str):
             os.environ[STORE_ROWS_ENV] = "1"
         if mode == "dejavu_captured_qkv_sel_pdl":
             os.environ[GRID_ENV] = "selection"
-        if mode == "dejavu_captured_qkv_rows_pdl":
+        if mode.startswith("dejavu_captured_qkv_rows_"):
             os.environ[FORM_ENV] = "rows"
         yield
 

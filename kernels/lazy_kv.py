@@ -65,9 +65,11 @@ from .triton_common import (
     check_dtype,
     deterministic,
     dot_rows,
+    early_ids,
     finish_last,
     fixed_config,
     ieee,
+    load_rows,
     pdl_meta,
     wait_inputs,
 )
@@ -218,9 +220,13 @@ def _lazy_kv_kernel(
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
     SPLIT: tl.constexpr, MATS: tl.constexpr, SEL: tl.constexpr, BLOCK_H: tl.constexpr,
     PDL: tl.constexpr, ROWS: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
+    EARLY: tl.constexpr = False,
 ):
-    # the position, ids, input and the state of the cache may all be the kernels' before
-    wait_inputs(PDL)
+    # the position, ids, input and the state of the cache may all be the kernels' before;
+    # with EARLY (the row form, ids from a lookahead predictor) only the input: the wait
+    # comes after the first slice of weights, below
+    if not EARLY:
+        wait_inputs(PDL)
     pid, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv = pid_z // SPLIT  # 0 keys, 1 values, 2 the query (MATS 3)
     part = pid_z % SPLIT  # this program's slice of d
@@ -267,12 +273,27 @@ def _lazy_kv_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < HD
     rows_w = h * HD + offs_c
+    rows64 = rows_w.to(tl.int64)
+    if EARLY:
+        # the ids are a lookahead predictor's, written a layer earlier (its event joined
+        # before this launch); the position and the head's prefix are older than the step;
+        # the weights are parameters: the first slice of the rows streams in while the kernel
+        # before finishes (as dejavu::gemv's does), the input, its output, after the wait
+        offs_d = tl.arange(0, BLOCK_D)
+        w_first = load_rows(w_ptr, rows64, mask_c & (chosen > 0), stride_w, offs_d,
+                            offs_d < D)
+        wait_inputs(PDL)
     if chosen > 0:
         end = e
         if ROWS:  # the new position (a decode step's one) as a GEMV of whole weight rows
-            rows64 = rows_w.to(tl.int64)
-            acc2 = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
+            if EARLY:
+                xd = tl.load(x_ptr + b * stride_xb + offs_d, mask=offs_d < D, other=0.0)
+                acc2 = w_first.to(tl.float32) * xd.to(tl.float32)[None, :]
+                d_first = BLOCK_D
+            else:
+                acc2 = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+                d_first = 0
+            for d0 in range(d_first, D, BLOCK_D):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
                 mask_d = offs_d < D
                 xd = tl.load(x_ptr + b * stride_xb + offs_d, mask=mask_d, other=0.0)
@@ -393,22 +414,27 @@ def step_config(n: int, config: dict | None = None) -> dict | None:
 
 
 def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
-            grid: str | None = None) -> None:
+            grid: str | None = None, ahead: bool = False) -> None:
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
     new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``- or
     ``ROWS_FIXED``-like dict) when given, or the autotuned row form where
     ``DEJAVU_LAZY_FORM=rows``; a
     prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
-    (``step_config``). ``grid``: one of ``GRIDS``, ``default_grid()`` when None."""
-    _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid)
+    (``step_config``). ``grid``: one of ``GRIDS``, ``default_grid()`` when None. ``ahead``:
+    the ids come from a predictor run a layer ahead (``kernels.lookahead.waiting``); with
+    ``DEJAVU_EARLY_IDS=1`` (``triton_common.early_ids``) the row form then loads its first
+    slice of weights before it waits for the kernel before (``EARLY``)."""
+    _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid, ahead)
 
 
 def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
-             out: torch.Tensor | None = None, grid: str | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, grid: str | None = None,
+             ahead: bool = False) -> torch.Tensor:
     """CUDA implementation of ``dejavu::lazy_qkv``: ``lazy_kv`` and the query projection of
     the selected heads in the same launch (a third matrix in the grid), which share its input
     and selection. Returns the query [B, n, H * hd], zeros in the columns of the heads not
-    selected: every element is written, into ``out`` when given (contiguous, x's dtype)."""
+    selected: every element is written, into ``out`` when given (contiguous, x's dtype);
+    ``ahead`` as for ``lazy_kv``."""
     batch, n, _ = x.shape
     shape = (batch, n, wq.shape[0])
     if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype
@@ -416,11 +442,12 @@ def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | N
         raise ValueError(f"lazy_qkv: out must be a contiguous {x.dtype} tensor of shape {shape}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     q = torch.empty(shape, device=x.device, dtype=x.dtype) if out is None else out
-    _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid)
+    _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid, ahead)
     return q
 
 
-def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) -> None:
+def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid,
+            ahead=False) -> None:
     name = "lazy_kv" if q is None else "lazy_qkv"
     grid = default_grid() if grid is None else grid
     if grid not in GRIDS:
@@ -465,8 +492,11 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) 
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
     fixed = step_config(n, config)
     meta.update(pdl_meta())
+    row_form = fixed.get("ROWS", False) if fixed is not None else default_form() == "rows"
+    # the row form's weights before its wait: ids a layer old (a selection, not every head)
+    meta["EARLY"] = bool(row_form and ahead and not every and early_ids())
     if fixed is None:
-        tuner = _rows_kernel if default_form() == "rows" else _decode_kernel
+        tuner = _rows_kernel if row_form else _decode_kernel
         tuner[launch_grid](*args, **meta)
     else:
         _lazy_kv_kernel[launch_grid](*args, **meta, **fixed)

@@ -556,12 +556,15 @@ def test_only_its_mode_sets_each_lazy_switch(monkeypatch, mode, env, value, read
     env, read = getattr(lazy_kv, env), getattr(lazy_kv, read)
     assert bench._DEJAVU_MODES[mode] == bench._DEJAVU_MODES["dejavu_captured_qkv_pdl"]
     monkeypatch.setenv(env, value)  # set outside: the mode says its own
-    others = {"dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_rows_pdl"} - {mode}
+    others = {"dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_rows_pdl",
+              "dejavu_captured_qkv_rows_early_pdl"} - {mode, mode.replace("_pdl", "_early_pdl")}
     for other in ("dejavu_captured_qkv_pdl", "dejavu_captured_lazy", *others):
         with bench.kernel_switches(other):
             assert read() == default
-    with bench.kernel_switches(mode):
-        assert read() == value
+    for own in (mode, mode.replace("_pdl", "_early_pdl")):
+        if own in bench.MODES:  # the row form with early ids too
+            with bench.kernel_switches(own):
+                assert read() == value
     assert os.environ[env] == value
     monkeypatch.setenv(env, bad)
     with pytest.raises(ValueError, match=f"{env}='{bad}'"):

@@ -615,29 +615,31 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
 
 
-@pytest.mark.parametrize("arch", ["opt", "llama"])
+@pytest.mark.parametrize("arch", ["opt", "llama", "opt_rows"])
 def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
     """``DEJAVU_EARLY_IDS=1`` (bench modes ``*_early_pdl``): the up kernel of each MLP whose
     predictor ran a layer ahead, and the output projection of each sparse attention, load
-    their ids and first weights before their wait. In the captured lookahead steps of the
-    bench (a small OPT with lazy K/V and the query fused in, its attention sparse; a small
-    Llama, its attention dense), every kernel launched programmatically, the up kernels run
-    that way only with the switch, and the replayed step gives the logits of the step without
-    it, to the tolerance of fp16 sums added in another order. The predictors rank by their
-    biases (``_ranked_by_bias``), so no near-tied unit can flip between the two."""
-    from dejavu_compile.kernels import sparse_mlp
+    their ids and first weights before their wait; so does the lazy K/V kernel's row form
+    (``opt_rows``: ``dejavu_captured_qkv_rows_pdl`` against ``..._rows_early_pdl``). In the
+    captured lookahead steps of the bench (a small OPT with lazy K/V and the query fused in,
+    its attention sparse; a small Llama, its attention dense), every kernel launched
+    programmatically, those kernels run that way only with the switch, and the replayed step
+    gives the logits of the step without it, to the tolerance of fp16 sums added in another
+    order. The predictors rank by their biases (``_ranked_by_bias``), so no near-tied unit can
+    flip between the two."""
+    from dejavu_compile.kernels import lazy_kv, sparse_mlp
 
     from dejavu_compile.bench import kernel_switches, random_profile
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    model = _small_opt(6) if arch == "opt" else bench.small_llama(6)
+    model = bench.small_llama(6) if arch == "llama" else _small_opt(6)
     path = tmp_path / "ahead.yaml"
-    profile = random_profile(model, 0.25 if arch == "opt" else 0.5, 0.5 if arch == "opt" else 1.0,
-                             64, path, lookahead=True)
+    profile = random_profile(model, 0.5 if arch == "llama" else 0.25,
+                             1.0 if arch == "llama" else 0.5, 64, path, lookahead=True)
     _ranked_by_bias(path)
     options = {"profile": profile, "cudagraphs": False}
-    if arch == "opt":
+    if arch != "llama":
         options.update(lazy_kv=True, fuse_qkv=True)
     real, early = sparse_mlp.launch, []
 
@@ -647,10 +649,14 @@ def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(sparse_mlp, "launch", spy)
+    rows_run = lazy_kv._rows_kernel.run
+    monkeypatch.setattr(lazy_kv._rows_kernel, "run",
+                        lambda *a, **k: early.append(k["EARLY"]) or rows_run(*a, **k))
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(8))
+    base = "dejavu_captured_qkv_rows_pdl" if arch == "opt_rows" else "dejavu_captured_qkv_pdl"
     runs = {}
-    for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_qkv_early_pdl"):
+    for mode in (base, base.replace("_pdl", "_early_pdl")):
         torch._dynamo.reset()
         early.clear()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
@@ -660,8 +666,11 @@ def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
                                                 24)
         assert set(early) == {mode.endswith("_early_pdl")}, (mode, early)
     assert dejavu_compile.report(model).counters.get("lookahead[mlp]", 0) > 0
-    want = runs["dejavu_captured_qkv_pdl"]
-    torch.testing.assert_close(runs["dejavu_captured_qkv_early_pdl"], want,
+    if arch == "opt_rows":
+        assert lazy_kv._rows_kernel.cache and \
+            dejavu_compile.report(model).counters.get("lookahead[attention]", 0) > 0
+    want = runs[base]
+    torch.testing.assert_close(runs[base.replace("_pdl", "_early_pdl")], want,
                                atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 

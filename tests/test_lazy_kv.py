@@ -271,6 +271,17 @@ def test_the_row_form_is_chosen_by_its_switch_and_never_split(monkeypatch):
     want = _steps(_ref_on_state, torch.float16, **shape)
     for g, w in zip(got[:2], want[:2], strict=True):
         torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
+    # with DEJAVU_EARLY_IDS=1 and ids from a lookahead predictor (ahead), the first slice of
+    # weights loads before the wait (EARLY): the same keys and values
+    monkeypatch.setenv("DEJAVU_EARLY_IDS", "1")
+    early = []
+    monkeypatch.setattr(lazy_kv._rows_kernel, "run",
+                        lambda *a, **k: early.append(k["EARLY"]) or run(*a, **k))
+    got_early = _steps(lambda *args: lazy_kv.lazy_kv(*args, ahead=True), torch.float16, **shape)
+    assert early == [True] * 10
+    for g, w in zip(got_early[:2], got[:2], strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    monkeypatch.delenv("DEJAVU_EARLY_IDS")
     with pytest.raises(ValueError, match="ROWS.*SPLIT must be 1, got 2"):
         lazy_kv.step_config(1, {**_CONFIGS["rows"], "SPLIT": 2})
     monkeypatch.setenv(lazy_kv.FORM_ENV, "gemv")
@@ -284,7 +295,8 @@ def test_the_row_form_compiles_for_hopper(tmp_path):
     """The interpreter runs the kernel's Python, not Triton's compiler (it let a loop-carried
     variable change its type in the row form's first draft): compile the lazy kernel here for
     an sm_90 GPU (Triton's own ptxas, no GPU needed) at every tile of ``ROWS_TILES``, with and
-    without the query, under programmatic launch; each waits once."""
+    without the query, and with the query and ``EARLY``, under programmatic launch; each waits
+    once, and only ``EARLY`` loads before its wait."""
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -297,16 +309,18 @@ ptrs = {"x_ptr": "*fp16", "in_ptr": "*fp16", "idx_ptr": "*i64", "wk_ptr": "*fp16
         "ws_ptr": "*fp32", "tile_cnt_ptr": "*i32", "wq_ptr": "*fp16", "bq_ptr": "*fp16",
         "q_ptr": "*fp16"}
 for cfg in lazy_kv.ROWS_TILES:
-    for mats in (2, 3):
+    for mats, early in ((2, False), (3, False), (3, True)):
         const = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
         const.update(ALL=False, HAS_B=True, IEEE=False, MATS=mats, SEL=False, BLOCK_H=64,
-                     BLOCK_IDS=32, PDL=True)
+                     BLOCK_IDS=32, PDL=True, EARLY=early)
         sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
         ptx = triton.compile(ASTSource(fn, sig, constexprs=const),
                              target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": cfg["num_warps"],
                                       "num_stages": cfg["num_stages"]}).asm["ptx"]
-        print(cfg["BLOCK_C"], cfg["BLOCK_D"], mats, ptx.count("griddepcontrol.wait"))
+        before = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
+        print(cfg["BLOCK_C"], cfg["BLOCK_D"], mats, ptx.count("griddepcontrol.wait"), early,
+              before > 0)
 """
     import subprocess
     import sys
@@ -318,7 +332,9 @@ for cfg in lazy_kv.ROWS_TILES:
                          cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines()]
-    assert len(rows) == 2 * len(lazy_kv.ROWS_TILES) and all(r[3] == "1" for r in rows), out.stdout
+    assert len(rows) == 3 * len(lazy_kv.ROWS_TILES) and all(r[3] == "1" for r in rows), out.stdout
+    # EARLY loads (the ids, the first weights) before its wait; waiting first loads nothing
+    assert all(r[5] == r[4] for r in rows), out.stdout
 
 
 def test_kernel_prefill_computes_every_head():
