@@ -29,7 +29,10 @@ runs unsplit (``step_config``): the atomics' order would change the bits from ru
 Row form (``ROWS``; ``DEJAVU_LAZY_FORM=rows``, or a config that says it): a decode step's
 program computes the new position first as a GEMV of its ``BLOCK_C`` whole weight rows (over
 d in slices of ``BLOCK_D``, one program over all of d, stored at once), then fills missing
-positions, if any, with the position tiles above over the same rows, read again.
+positions, if any, with the position tiles above over the same rows, read again. With
+``EARLY`` (its heads a lookahead predictor's, ``ahead``, and ``DEJAVU_EARLY_IDS=1``) it loads
+the position, its ids, the head's prefix and its first slice of weight rows before its
+programmatic wait, and the input after it.
 
 With the query (``lazy_qkv``, option ``fuse_qkv``; ``MATS`` 3): a third matrix in the grid,
 whose programs compute the selected heads' query columns at the new positions only (never a
