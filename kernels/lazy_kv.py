@@ -421,10 +421,11 @@ def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = Non
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
     new token) runs the autotuned kernel (the row form's where ``DEJAVU_LAZY_FORM=rows``), or
     ``config`` (a ``DECODE_FIXED``- or ``ROWS_FIXED``-like dict) when given; a prefill runs
-    ``PREFILL_FIXED``; deterministic mode a form without atomics (``step_config``). ``grid``: one of ``GRIDS``, ``default_grid()`` when None. ``ahead``:
-    the ids come from a predictor run a layer ahead (``kernels.lookahead.waiting``); with
-    ``DEJAVU_EARLY_IDS=1`` (``triton_common.early_ids``) the row form then loads its first
-    slice of weights before it waits for the kernel before (``EARLY``)."""
+    ``PREFILL_FIXED``; deterministic mode a form without atomics (``step_config``). ``grid``:
+    one of ``GRIDS``, ``default_grid()`` when None. ``ahead``: the ids come from a predictor
+    run a layer ahead (``kernels.lookahead.waiting``); with ``DEJAVU_EARLY_IDS=1``
+    (``triton_common.early_ids``) the row form then loads its first slice of weights before
+    it waits for the kernel before (``EARLY``)."""
     _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid, ahead)
 
 
