@@ -13,7 +13,7 @@ from .triton_common import (
     ACT_CODES,
     INTERPRET,
     QUICK_TUNE,
-    add_rows,
+    add_row_slices,
     apply_act,
     check_dtype,
     pdl_meta,
@@ -47,12 +47,9 @@ def _hidden_kernel(
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < RANK
     # products kept in a 2-d accumulator over the loop and reduced once (as the down kernel's)
-    acc2 = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        acc2 = add_rows(acc2, w1_ptr, offs_h, mask_h, stride_w1, offs_d, mask_d, x)
+    acc2 = add_row_slices(tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32),
+                          x_ptr + row * stride_x, w1_ptr, offs_h, mask_h, stride_w1, 0, D,
+                          BLOCK_D)
     acc = tl.sum(acc2, 1)
     if HAS_B1:
         acc += tl.load(b1_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)

@@ -27,7 +27,7 @@ import triton.language as tl
 from .triton_common import (
     INTERPRET,
     QUICK_TUNE,
-    add_rows,
+    add_row_slices,
     check_dtype,
     deterministic,
     fixed_config,
@@ -70,12 +70,8 @@ def _gemv_kernel(
     w = load_rows(w_ptr, rows, mask_n, stride_w, offs_d, mask_d)
     wait_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    acc = w.to(tl.float32) * x[None, :]
-    for start in range(BLOCK_D, D, BLOCK_D):
-        offs_d = start + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        acc = add_rows(acc, w_ptr, rows, mask_n, stride_w, offs_d, mask_d, x)
+    acc = add_row_slices(w.to(tl.float32) * x[None, :], x_ptr + row * stride_x, w_ptr, rows,
+                         mask_n, stride_w, BLOCK_D, D, BLOCK_D)
     y = tl.sum(acc, 1)
     if HAS_B:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)

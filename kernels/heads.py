@@ -85,12 +85,8 @@ def _head_proj_store_kernel(
     row, pid = tl.program_id(0), tl.program_id(1)
     offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     wrows, mask = _weight_rows(idx_ptr, row, stride_idx, offs, HEAD_DIM, offs < J)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(x_ptr + row * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        acc2 = tc.add_rows(acc2, w_ptr, wrows, mask, stride_w, offs_d, mask_d, x)
+    acc2 = tc.add_row_slices(tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32),
+                             x_ptr + row * stride_x, w_ptr, wrows, mask, stride_w, 0, D, BLOCK_D)
     acc = tl.sum(acc2, axis=1)
     if HAS_B:
         acc += tl.load(b_ptr + wrows, mask=mask, other=0.0).to(tl.float32)

@@ -64,7 +64,7 @@ from .reference import id_rows
 from .triton_common import (
     INTERPRET,
     QUICK_TUNE,
-    add_rows,
+    add_row_slices,
     check_dtype,
     deterministic,
     dot_rows,
@@ -289,19 +289,14 @@ def _lazy_kv_kernel(
     if chosen > 0:
         end = e
         if ROWS:  # the new position (a decode step's one) as a GEMV of whole weight rows
+            x_row = x_ptr + b * stride_xb
             if EARLY:
-                xd = tl.load(x_ptr + b * stride_xb + offs_d, mask=offs_d < D, other=0.0)
-                acc2 = w_first.to(tl.float32) * xd.to(tl.float32)[None, :]
-                d_first = BLOCK_D
+                xd = tl.load(x_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+                acc2 = add_row_slices(w_first.to(tl.float32) * xd[None, :], x_row, w_ptr,
+                                      rows64, mask_c, stride_w, BLOCK_D, D, BLOCK_D)
             else:
-                acc2 = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-                d_first = 0
-            for d0 in range(d_first, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                mask_d = offs_d < D
-                xd = tl.load(x_ptr + b * stride_xb + offs_d, mask=mask_d, other=0.0)
-                acc2 = add_rows(acc2, w_ptr, rows64, mask_c, stride_w, offs_d, mask_d,
-                                xd.to(tl.float32))
+                acc2 = add_row_slices(tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32), x_row,
+                                      w_ptr, rows64, mask_c, stride_w, 0, D, BLOCK_D)
             new_row = tl.sum(acc2, 1)
             if HAS_B:
                 new_row += tl.load(b_ptr + rows_w, mask=mask_c, other=0.0).to(tl.float32)

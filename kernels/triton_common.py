@@ -254,6 +254,21 @@ def add_rows(acc, w_ptr, rows, valid, stride_w, offs_d, mask_d, x):
 
 
 @triton.jit
+def add_row_slices(acc, x_row, w_ptr, rows, valid, stride_w, start, D,
+                   BLOCK_D: tl.constexpr):
+    """The loop of the GEMVs that read whole weight rows: ``acc`` [R, BLOCK_D] plus the rows
+    ``rows`` of ``W`` (those ``valid``) times the row of d values at ``x_row``, over the
+    slices of ``BLOCK_D`` columns from ``start`` (a slice boundary) to ``D`` (``add_rows``
+    each step)."""
+    for d0 in range(start, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        acc = add_rows(acc, w_ptr, rows, valid, stride_w, offs_d, mask_d, x)
+    return acc
+
+
+@triton.jit
 def _biased_sums(acc_ptrs, b_ptrs, mask, HAS_B: tl.constexpr):
     """The fp32 sums at ``acc_ptrs`` (read atomically, from L2 where the atomics ran) plus the
     bias at ``b_ptrs``: a reducing kernel's finished outputs."""
