@@ -761,8 +761,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_nonorm_pdl", "dejavu_captured_ahead_rms_pdl",
          "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl",
          "dejavu_captured_qkv_gemv_pdl", "dejavu_captured_ahead_nogemv_pdl",
-         "dejavu_captured_qkv_nogemv_pdl", "dejavu_captured_qkv_rows_pdl",
-         "dejavu_captured_qkv_rows_early_pdl",
+         "dejavu_captured_qkv_nogemv_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
@@ -909,13 +908,6 @@ _DEJAVU_MODES = {
                                                                     "dense_gemv": False}),
     "dejavu_captured_qkv_nogemv_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                   "dense_gemv": False}),
-    # dejavu_captured_qkv_pdl (OPT-13B's default step) with the lazy query, key and value
-    # launch in its row form (lazy_kv.FORM_ENV set to "rows"; kernel_switches): the new
-    # position a GEMV of whole weight rows, missing positions filled after it; and that step
-    # with DEJAVU_EARLY_IDS=1 (as the *_early_pdl modes), with which the row form, its ids a
-    # lookahead predictor's, loads its first weights before its wait
-    "dejavu_captured_qkv_rows_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
-    "dejavu_captured_qkv_rows_early_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # OPT-13B's and Llama-3-8B's default steps with the decode attention's chunks merged by
     # the split kernel's last program of each KV head (option merge_attention) instead of a
     # combine launch (thirty-eighth and thirty-ninth sessions' breakdowns: 88 and 52 us a
@@ -941,16 +933,14 @@ def kernel_switches(mode: str):
     ``*_pdl`` and 0 for every other mode, so that each pair compares it,
     ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
     ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
-    ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_LAZY_FORM`` (the lazy K/V kernel's decode form)
-    "rows" for ``dejavu_captured_qkv_rows_pdl`` and ``dejavu_captured_qkv_rows_early_pdl``,
-    ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
+    ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
     attention's output projection load their ids and first weights before their wait) 1 for
     the modes named ``*_early_pdl``, ``DEJAVU_NORM_FINISH`` (where a fused norm is computed)
     "last" for ``dejavu_captured_qkv_norm_pdl``, "kernel" for
     ``dejavu_captured_qkv_normk_pdl``, "mixed" for ``dejavu_captured_qkv_normm_pdl`` and
     "sums" for ``dejavu_captured_qkv_norms_pdl``,
     each unset otherwise; restored afterwards."""
-    from dejavu_compile.kernels.lazy_kv import FORM_ENV, GRID_ENV
+    from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
         EARLY_IDS_ENV,
         NORM_FINISH_ENV,
@@ -962,7 +952,6 @@ def kernel_switches(mode: str):
         os.environ[PDL_ENV] = "1" if mode.endswith("_pdl") else "0"
         os.environ.pop(STORE_ROWS_ENV, None)
         os.environ.pop(GRID_ENV, None)
-        os.environ.pop(FORM_ENV, None)
         os.environ.pop(EARLY_IDS_ENV, None)
         os.environ.pop(NORM_FINISH_ENV, None)
         finishes = {"dejavu_captured_qkv_norm_pdl": "last",
@@ -977,8 +966,6 @@ def kernel_switches(mode: str):
             os.environ[STORE_ROWS_ENV] = "1"
         if mode == "dejavu_captured_qkv_sel_pdl":
             os.environ[GRID_ENV] = "selection"
-        if mode.startswith("dejavu_captured_qkv_rows_"):
-            os.environ[FORM_ENV] = "rows"
         yield
 
 

@@ -26,14 +26,6 @@ form with no gather and no cache stores. In the forty-first session a chain of L
 dense attention projections ran at 86% of copy bandwidth through ``dejavu::gemv``
 (``examples/gemv_study.py --chain``), where the lazy launch reads at about 60%.
 
-With ``--rows``, ``lazy qkv`` in its row form (``lazy_kv.ROWS_TILES``: each program's whole
-weight rows read over d, the new position a GEMV, no split; built in the forty-first
-session), each also with its first weights loaded before its wait (``early``: the ids a
-lookahead predictor's, ``DEJAVU_EARLY_IDS=1``). Every position is present here, as in most
-heads of a step; the row form's time
-with missing positions (its rows read again to fill them) shows in the step
-(``dejavu bench`` mode ``dejavu_captured_qkv_rows_pdl``).
-
 With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``. With
 ``--unsplit``, ``lazy qkv`` at each tile of ``UNSPLIT`` (d split over one or two programs,
 narrow column tiles: as many programs with fewer or no atomics and no finish in the last
@@ -59,7 +51,7 @@ from unittest import mock
 import torch
 import triton
 from dejavu_compile.kernels import dense, heads, kv_state, lazy_kv
-from dejavu_compile.kernels.triton_common import EARLY_IDS_ENV, STORE_ROWS_ENV
+from dejavu_compile.kernels.triton_common import STORE_ROWS_ENV
 
 D, H, HD, L, POS = 5120, 40, 128, 256, 200
 # tiles of the lazy kernels' tensor-core form (one position tile of 16) timed with --sweep
@@ -87,12 +79,11 @@ def gathered_rows(idx: torch.Tensor, head_dim: int) -> torch.Tensor:
     return (idx.reshape(-1, 1) * head_dim + offsets).reshape(-1)
 
 
-def switched(fn, env: str):
-    """``fn`` run with the switch ``env`` set to 1 (``DEJAVU_STORE_ROWS``: the head
-    projection's row-storing kernel; ``DEJAVU_EARLY_IDS``: the row form's first weights before
-    its wait), the environment restored after each call."""
+def storing_rows(fn):
+    """``fn`` run with ``DEJAVU_STORE_ROWS=1`` (the head projection's row-storing kernel), the
+    environment restored after each call."""
     def run(*args):
-        with mock.patch.dict(os.environ, {env: "1"}):
+        with mock.patch.dict(os.environ, {STORE_ROWS_ENV: "1"}):
             return fn(*args)
     return run
 
@@ -106,8 +97,6 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="also time the row-storing stacked launch and dejavu::gemv over "
                              "the selected rows gathered beforehand")
-    parser.add_argument("--rows", action="store_true",
-                        help="also time the lazy launch's row form at each of its tiles")
     parser.add_argument("--unsplit", action="store_true",
                         help="time the fused launch at each tile of UNSPLIT instead of the "
                              "grids' tiles")
@@ -140,9 +129,9 @@ def main() -> None:
         lazy_kv.lazy_kv(x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"],
                         lay["values"], pos, config=config, grid=grid)
 
-    def fused(lay, config=None, grid=None, ahead=False):
+    def fused(lay, config=None, grid=None):
         lazy_kv.lazy_qkv(x, idx, lay["q"], lay["bq"], lay["k"], lay["bk"], lay["v"], lay["bv"],
-                         lay["keys"], lay["values"], pos, config=config, grid=grid, ahead=ahead)
+                         lay["keys"], lay["values"], pos, config=config, grid=grid)
 
     variants = {
         "separate": (3, lambda lay: (heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD),
@@ -153,20 +142,12 @@ def main() -> None:
         "lazy kv": (2, lazy),
         "q gemv": (1, lambda lay: heads.sparse_head_proj(x, idx, lay["q"], lay["bq"], HD)),
     }
-    if args.rows:
-        for cfg in lazy_kv.ROWS_TILES:
-            name = "rows C{BLOCK_C} D{BLOCK_D} w{num_warps}".format(**cfg)
-            variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
-            # its first weights before its wait, as with ids from a lookahead predictor
-            variants[f"lazy qkv {name} early"] = (3, switched(
-                lambda lay, c=cfg: fused(lay, c, ahead=True), EARLY_IDS_ENV))
     if args.gemv:
         rows = gathered_rows(idx_qkv, HD)
         for lay in layers:
             lay["gathered"], lay["gathered_b"] = lay["w"][rows].contiguous(), lay["b"][rows]
-        variants["qkv gemv store"] = (3, switched(
-            lambda lay: heads.sparse_head_proj(x, idx_qkv, lay["w"], lay["b"], HD),
-            STORE_ROWS_ENV))
+        variants["qkv gemv store"] = (3, storing_rows(
+            lambda lay: heads.sparse_head_proj(x, idx_qkv, lay["w"], lay["b"], HD)))
         variants["gathered gemv"] = (3, lambda lay: dense.gemv(x, lay["gathered"],
                                                                lay["gathered_b"]))
     for cfg in [] if args.unsplit else lazy_kv.DECODE_TILES:  # each grid at each such tile

@@ -28,10 +28,8 @@ if __name__ != "kernels":
         ops.sparse_mlp_gated.register_kernel("cuda")(sparse_mlp.sparse_mlp_gated)
         kv.decode_attention.register_kernel("cuda")(decode_attention.decode_attention)
         ops.gemv.register_kernel("cuda")(dense.gemv)
-        ops.lazy_kv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_kv, 9,
-                                                               tells_ahead=True))
-        ops.lazy_qkv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_qkv, 11,
-                                                                tells_ahead=True))
+        ops.lazy_kv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_kv, 9))
+        ops.lazy_qkv.register_kernel("cuda")(lookahead.waiting(lazy_kv.lazy_qkv, 11))
     # On CUDA the first sparse op of a block joins its lookahead predictor's side stream.
     ops.sparse_mlp.register_kernel("cuda")(lookahead.waiting(_mlp, 9, tells_ahead=HAVE_TRITON))
 

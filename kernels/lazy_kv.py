@@ -26,14 +26,6 @@ counter. All programs of a tile see the same missing positions: the rows are sto
 every one of them has counted itself. Under ``torch.use_deterministic_algorithms`` a decode step
 runs unsplit (``step_config``): the atomics' order would change the bits from run to run.
 
-Row form (``ROWS``; ``DEJAVU_LAZY_FORM=rows``, or a config that says it): a decode step's
-program computes the new position first as a GEMV of its ``BLOCK_C`` whole weight rows (over
-d in slices of ``BLOCK_D``, one program over all of d, stored at once), then fills missing
-positions, if any, with the position tiles above over the same rows, read again. With
-``EARLY`` (its heads a lookahead predictor's, ``ahead``, and ``DEJAVU_EARLY_IDS=1``) it loads
-the position, its ids, the head's prefix and its first slice of weight rows before its
-programmatic wait, and the input after it.
-
 With the query (``lazy_qkv``, option ``fuse_qkv``; ``MATS`` 3): a third matrix in the grid,
 whose programs compute the selected heads' query columns at the new positions only (never a
 missing one) into the returned rows [B, n, H * hd], and store zeros in the other heads'
@@ -64,15 +56,12 @@ from .reference import id_rows
 from .triton_common import (
     INTERPRET,
     QUICK_TUNE,
-    add_row_slices,
     check_dtype,
     deterministic,
     dot_rows,
-    early_ids,
     finish_last,
     fixed_config,
     ieee,
-    load_rows,
     pdl_meta,
     wait_inputs,
 )
@@ -107,27 +96,6 @@ DECODE_FIXED = ({"BLOCK_P": 4, "DOT": False, "BLOCK_C": 16, "BLOCK_K": 32, "SPLI
 # the tensor-core form), no atomics (the split form's sums meet in no fixed order), so a step
 # gives the same bits every run
 DETERMINISTIC_FIXED = {**DECODE_FIXED, "SPLIT": 1}
-# The row form (``ROWS``, built in the forty-first session, not yet measured): the new
-# position, a decode step's only one, as ``dejavu::gemv`` computes a row (kernels/dense.py):
-# BLOCK_C whole weight rows a program, read over d in slices of BLOCK_D into a 2-d
-# accumulator reduced once; no split, no atomics, no finish. Missing positions are then
-# filled by the loop of the forms above (BLOCK_P, DOT, BLOCK_K), reading the program's
-# weight rows again, from L2 if they are still there. In the forty-first session
-# dejavu::gemv read Llama-3-8B's dense attention projections at 86% of copy bandwidth in a
-# chain of 32 layers (examples/gemv_study.py --chain), where the lazy launch reads OPT-13B's
-# at about 60% (examples/qkv_study.py). Run where ``DEJAVU_LAZY_FORM=rows`` (``FORM_ENV``:
-# the autotuner's choice among ``ROWS_TILES``, ``_rows_kernel``; ``ROWS_FIXED`` in
-# deterministic mode and under quick tuning) or given as a config; ``qkv_study.py --rows``
-# times each tile. Every tile fills missing positions the same way, so the autotuner, which
-# times a call with few of them, does not favour a tile that fills them slowly.
-ROWS_TILES = [{"ROWS": True, "BLOCK_C": c, "BLOCK_D": bd, "BLOCK_P": 16, "DOT": c >= 16,
-               "BLOCK_K": 64 if c >= 16 else 32, "SPLIT": 1, "num_warps": w, "num_stages": 3}
-              for c, bd, w in ((8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 256, 4),
-                               (4, 1024, 4), (16, 1024, 8))]
-ROWS_FIXED = ({"ROWS": True, "BLOCK_C": 4, "BLOCK_D": 16, "BLOCK_P": 4, "DOT": False,
-               "BLOCK_K": 16, "SPLIT": 1, "num_warps": 1} if INTERPRET else ROWS_TILES[0])
-FORMS = ("tiles", "rows")
-FORM_ENV = "DEJAVU_LAZY_FORM"
 # a prefill through the op (several new tokens): every head, tiles of 64 positions
 PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C": 32,
                  "BLOCK_K": 32 if INTERPRET else 64, "SPLIT": 1, "num_warps": 4}
@@ -155,15 +123,6 @@ def default_grid() -> str:
     if grid not in GRIDS:
         raise ValueError(f"{GRID_ENV}={grid!r}: set it to one of {GRIDS}")
     return grid
-
-
-def default_form() -> str:
-    """The form of a decode step given no config: ``DEJAVU_LAZY_FORM`` if set (one of
-    ``FORMS``, else an error), else "tiles" (``DECODE_TILES``; "rows": ``ROWS_TILES``)."""
-    form = os.environ.get(FORM_ENV, FORMS[0])
-    if form not in FORMS:
-        raise ValueError(f"{FORM_ENV}={form!r}: set it to one of {FORMS}")
-    return form
 
 
 def decode_configs() -> list[triton.Config]:
@@ -222,14 +181,10 @@ def _lazy_kv_kernel(
     ALL: tl.constexpr, HAS_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_IDS: tl.constexpr,
     SPLIT: tl.constexpr, MATS: tl.constexpr, SEL: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr, ROWS: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
-    EARLY: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    # the position, ids, input and the state of the cache may all be the kernels' before;
-    # with EARLY (the row form, ids from a lookahead predictor) only the input: the wait
-    # comes after the first slice of weights, below
-    if not EARLY:
-        wait_inputs(PDL)
+    # the position, ids, input and the state of the cache may all be the kernels' before
+    wait_inputs(PDL)
     pid, pid_c, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv = pid_z // SPLIT  # 0 keys, 1 values, 2 the query (MATS 3)
     part = pid_z % SPLIT  # this program's slice of d
@@ -276,38 +231,12 @@ def _lazy_kv_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < HD
     rows_w = h * HD + offs_c
-    rows64 = rows_w.to(tl.int64)
-    if EARLY:
-        # the ids are a lookahead predictor's, written a layer earlier (its event joined
-        # before this launch); the position and the head's prefix are older than the step;
-        # the weights are parameters: the first slice of the rows streams in while the kernel
-        # before finishes (as dejavu::gemv's does), the input, its output, after the wait
-        offs_d = tl.arange(0, BLOCK_D)
-        w_first = load_rows(w_ptr, rows64, mask_c & (chosen > 0), stride_w, offs_d,
-                            offs_d < D)
-        wait_inputs(PDL)
     if chosen > 0:
-        end = e
-        if ROWS:  # the new position (a decode step's one) as a GEMV of whole weight rows
-            x_row = x_ptr + b * stride_xb
-            if EARLY:
-                xd = tl.load(x_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-                acc2 = add_row_slices(w_first.to(tl.float32) * xd[None, :], x_row, w_ptr,
-                                      rows64, mask_c, stride_w, BLOCK_D, D, BLOCK_D)
-            else:
-                acc2 = add_row_slices(tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32), x_row,
-                                      w_ptr, rows64, mask_c, stride_w, 0, D, BLOCK_D)
-            new_row = tl.sum(acc2, 1)
-            if HAS_B:
-                new_row += tl.load(b_ptr + rows_w, mask=mask_c, other=0.0).to(tl.float32)
-            tl.store(cache + s * stride_l + offs_c, new_row.to(cache.dtype.element_ty),
-                     mask=mask_c)
-            end = s  # the missing positions below, their weights read again (from L2)
         tile = 0
-        for p0 in range(start, end, BLOCK_P):
+        for p0 in range(start, e, BLOCK_P):
             offs_p = p0 + tl.arange(0, BLOCK_P)
             old = offs_p < s
-            new = (offs_p >= s) & (offs_p < end)  # none with ROWS: stored above
+            new = (offs_p >= s) & (offs_p < e)
             kept = tl.load(cache + offs_p[:, None] * stride_l + offs_c[None, :],
                            mask=old[:, None] & mask_c[None, :], other=0.0)
             missing = old & (tl.max(tl.abs(kept.to(tl.float32)), 1) == 0.0)
@@ -377,32 +306,15 @@ def _lazy_kv_kernel(
         _record_prefix(cnt_ptr + bh, valid_ptr + bh, programs, tl.where(chosen > 0, e, lo))
 
 
-def rows_configs() -> list[triton.Config]:
-    """The row form's tiles the autotuner sweeps (``ROWS_TILES``); ``ROWS_FIXED`` alone under
-    the interpreter and with quick tuning."""
-    if INTERPRET or QUICK_TUNE:
-        return [fixed_config(ROWS_FIXED)]
-    return [fixed_config(tile) for tile in ROWS_TILES]
-
-
 _decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD", "MATS"])(_lazy_kv_kernel)
-_rows_kernel = triton.autotune(configs=rows_configs(), key=["D", "HD", "MATS"])(_lazy_kv_kernel)
 
 
 def step_config(n: int, config: dict | None = None) -> dict | None:
     """The fixed config a call with ``n`` new tokens runs, None for the autotuned decode
-    kernel of ``default_form()`` (``_decode_kernel`` or ``_rows_kernel``): a prefill
-    ``PREFILL_FIXED``; a decode step ``config`` when given, else in deterministic mode
-    ``ROWS_FIXED`` for the row form and ``DETERMINISTIC_FIXED`` for the tiles (``config`` too
-    must then not split d). A row-form config must not split d (its programs store their
-    rows)."""
+    kernel: a prefill ``PREFILL_FIXED``; a decode step ``config`` when given, else in
+    deterministic mode ``DETERMINISTIC_FIXED`` (``config`` too must then not split d)."""
     if n > 1:
         return PREFILL_FIXED
-    if config is not None and config.get("ROWS") and config["SPLIT"] != 1:
-        raise ValueError(f"lazy_kv: a row-form config (ROWS) covers all of d in each program: "
-                         f"SPLIT must be 1, got {config['SPLIT']}")
-    if config is None and deterministic() and default_form() == "rows":
-        config = ROWS_FIXED
     if deterministic():
         if config is not None and config["SPLIT"] > 1:
             raise ValueError("lazy_kv: a config that splits d (SPLIT > 1) adds its sums with "
@@ -412,26 +324,20 @@ def step_config(n: int, config: dict | None = None) -> dict | None:
 
 
 def lazy_kv(x, idx, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
-            grid: str | None = None, ahead: bool = False) -> None:
+            grid: str | None = None) -> None:
     """CUDA implementation of ``dejavu::lazy_kv`` (see the module docstring). A decode step (one
-    new token) runs the autotuned kernel (the row form's where ``DEJAVU_LAZY_FORM=rows``), or
-    ``config`` (a ``DECODE_FIXED``- or ``ROWS_FIXED``-like dict) when given; a prefill runs
-    ``PREFILL_FIXED``; deterministic mode a form without atomics (``step_config``). ``grid``:
-    one of ``GRIDS``, ``default_grid()`` when None. ``ahead``: the ids come from a predictor
-    run a layer ahead (``kernels.lookahead.waiting``); with ``DEJAVU_EARLY_IDS=1``
-    (``triton_common.early_ids``) the row form then loads its first slice of weights before
-    it waits for the kernel before (``EARLY``)."""
-    _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid, ahead)
+    new token) runs the autotuned kernel, or ``config`` (a ``DECODE_FIXED``-like dict) when
+    given; a prefill runs ``PREFILL_FIXED``; deterministic mode a form without atomics
+    (``step_config``). ``grid``: one of ``GRIDS``, ``default_grid()`` when None."""
+    _launch(x, idx, None, None, wk, bk, wv, bv, keys, values, pos, None, config, grid)
 
 
 def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | None = None,
-             out: torch.Tensor | None = None, grid: str | None = None,
-             ahead: bool = False) -> torch.Tensor:
+             out: torch.Tensor | None = None, grid: str | None = None) -> torch.Tensor:
     """CUDA implementation of ``dejavu::lazy_qkv``: ``lazy_kv`` and the query projection of
     the selected heads in the same launch (a third matrix in the grid), which share its input
     and selection. Returns the query [B, n, H * hd], zeros in the columns of the heads not
-    selected: every element is written, into ``out`` when given (contiguous, x's dtype);
-    ``ahead`` as for ``lazy_kv``."""
+    selected: every element is written, into ``out`` when given (contiguous, x's dtype)."""
     batch, n, _ = x.shape
     shape = (batch, n, wq.shape[0])
     if out is not None and (tuple(out.shape) != shape or out.dtype != x.dtype
@@ -439,12 +345,11 @@ def lazy_qkv(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, config: dict | N
         raise ValueError(f"lazy_qkv: out must be a contiguous {x.dtype} tensor of shape {shape}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     q = torch.empty(shape, device=x.device, dtype=x.dtype) if out is None else out
-    _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid, ahead)
+    _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid)
     return q
 
 
-def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid,
-            ahead=False) -> None:
+def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) -> None:
     name = "lazy_kv" if q is None else "lazy_qkv"
     grid = default_grid() if grid is None else grid
     if grid not in GRIDS:
@@ -489,11 +394,7 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid,
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
     fixed = step_config(n, config)
     meta.update(pdl_meta())
-    row_form = fixed.get("ROWS", False) if fixed is not None else default_form() == "rows"
-    # the row form's weights before its wait: ids a layer old (a selection, not every head)
-    meta["EARLY"] = bool(row_form and ahead and not every and early_ids())
     if fixed is None:
-        tuner = _rows_kernel if row_form else _decode_kernel
-        tuner[launch_grid](*args, **meta)
+        _decode_kernel[launch_grid](*args, **meta)
     else:
         _lazy_kv_kernel[launch_grid](*args, **meta, **fixed)

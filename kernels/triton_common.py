@@ -193,9 +193,7 @@ def stores_rows() -> bool:
 #   written a layer earlier, on a side stream whose event the op waited on before this
 #   launch; ``kernels.lookahead.waiting`` tells the launcher);
 # - the output projection of an attention whose heads a predictor or fixed ids chose (the
-#   query projection and the attention read the same ids first; the sparsify pass marks it);
-# - the lazy K/V kernel in its row form (``lazy_kv.FORM_ENV``) whose heads a lookahead
-#   predictor chose (``kernels.lookahead.waiting`` tells the launcher, as for the up kernel).
+#   query projection and the attention read the same ids first; the sparsify pass marks it).
 # With ``DEJAVU_EARLY_IDS=1`` such a kernel loads its ids and its first slice of weight rows
 # before the wait, as the down kernel does with its first tile, and its input, the kernel
 # before's output, after it. Off unless set: on the H200 (thirty-fourth session) it was under

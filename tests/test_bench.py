@@ -542,33 +542,22 @@ def test_kernel_switches_follow_the_mode(monkeypatch):
     assert PDL_ENV not in os.environ and STORE_ROWS_ENV not in os.environ
 
 
-@pytest.mark.parametrize("mode,env,value,read,default,bad", [
-    ("dejavu_captured_qkv_sel_pdl", "GRID_ENV", "selection", "default_grid", "heads", "rows"),
-    ("dejavu_captured_qkv_rows_pdl", "FORM_ENV", "rows", "default_form", "tiles", "gemv")])
-def test_only_its_mode_sets_each_lazy_switch(monkeypatch, mode, env, value, read, default, bad):
+def test_only_the_sel_mode_sets_the_lazy_grid(monkeypatch):
     """``dejavu_captured_qkv_sel_pdl`` runs the lazy K/V kernel over the selection's slots
-    (``DEJAVU_LAZY_GRID=selection``) and ``dejavu_captured_qkv_rows_pdl`` in its row form
-    (``DEJAVU_LAZY_FORM=rows``), each OPT-13B's default step otherwise; every other mode runs
-    the defaults (over heads, the tiles) whatever the environment said; the environment is
-    restored; an unknown value is an error naming the variable."""
+    (``DEJAVU_LAZY_GRID=selection``), every other mode over heads whatever the environment
+    said; the environment is restored; an unknown grid is an error naming the variable."""
     from dejavu_compile.kernels import lazy_kv
 
-    env, read = getattr(lazy_kv, env), getattr(lazy_kv, read)
-    assert bench._DEJAVU_MODES[mode] == bench._DEJAVU_MODES["dejavu_captured_qkv_pdl"]
-    monkeypatch.setenv(env, value)  # set outside: the mode says its own
-    others = {"dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_rows_pdl",
-              "dejavu_captured_qkv_rows_early_pdl"} - {mode, mode.replace("_pdl", "_early_pdl")}
-    for other in ("dejavu_captured_qkv_pdl", "dejavu_captured_lazy", *others):
-        with bench.kernel_switches(other):
-            assert read() == default
-    for own in (mode, mode.replace("_pdl", "_early_pdl")):
-        if own in bench.MODES:  # the row form with early ids too
-            with bench.kernel_switches(own):
-                assert read() == value
-    assert os.environ[env] == value
-    monkeypatch.setenv(env, bad)
-    with pytest.raises(ValueError, match=f"{env}='{bad}'"):
-        read()
+    monkeypatch.setenv(lazy_kv.GRID_ENV, "selection")  # set outside: the mode says its own
+    for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_lazy"):
+        with bench.kernel_switches(mode):
+            assert lazy_kv.default_grid() == "heads"
+    with bench.kernel_switches("dejavu_captured_qkv_sel_pdl"):
+        assert lazy_kv.default_grid() == "selection"
+    assert os.environ[lazy_kv.GRID_ENV] == "selection"
+    monkeypatch.setenv(lazy_kv.GRID_ENV, "rows")
+    with pytest.raises(ValueError, match="DEJAVU_LAZY_GRID='rows'"):
+        lazy_kv.default_grid()
 
 
 def test_only_the_early_modes_load_the_up_kernels_ids_before_the_wait(monkeypatch):

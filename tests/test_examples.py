@@ -58,8 +58,8 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
     # rows gathered beforehand gives the selected columns of that launch's output
     from dejavu_compile.kernels import dense
 
-    store = study.switched(heads.sparse_head_proj, study.STORE_ROWS_ENV)
-    torch.testing.assert_close(store(x, stacked, w, b, hd), want)
+    torch.testing.assert_close(study.storing_rows(heads.sparse_head_proj)(x, stacked, w, b, hd),
+                               want)
     rows = study.gathered_rows(stacked, hd)
     assert rows.tolist() == [r for h in (1, 3, 5, 7, 9, 11) for r in range(h * hd, (h + 1) * hd)]
     torch.testing.assert_close(dense.gemv(x, w[rows].contiguous(), b[rows]), want[..., rows])

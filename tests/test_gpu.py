@@ -440,29 +440,6 @@ def test_fused_query_matches_the_lazy_step():
     torch.testing.assert_close(runs[True], want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
-def _captured_modes(model, seed: int, fuse_qkv: bool, modes, switched) -> dict:
-    """The teacher-forced logits of 24 steps of a small OPT with lazy K/V (fixed selector, MLP
-    0.25, heads 0.5; the query in the lazy launch with ``fuse_qkv``) compiled afresh and
-    replayed through ``CapturedStep`` under ``kernel_switches`` of each of ``modes``, by mode;
-    ``switched(mode)`` must hold inside each."""
-    from dejavu_compile.bench import kernel_switches
-
-    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(seed))
-    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-               "lazy_kv": True, "fuse_qkv": fuse_qkv, "cudagraphs": False}
-    runs = {}
-    for mode in modes:
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
-        with kernel_switches(mode):
-            assert switched(mode), mode
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                                tokens, 24)
-    return runs
-
-
 def test_programmatic_launch_in_the_captured_lazy_step():
     """The bench's ``dejavu_captured_lazy_pdl`` step on a small OPT: lazy K/V, replayed through
     ``CapturedStep``, with ``DEJAVU_PDL=1`` gives the logits of the same step launched plainly,
@@ -471,40 +448,27 @@ def test_programmatic_launch_in_the_captured_lazy_step():
     every kernel of the step against its predecessors in one stream, not a side stream's."""
     from dejavu_compile.kernels.triton_common import programmatic
 
+    from dejavu_compile.bench import kernel_switches
+
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
     model = _small_opt(6)
-    runs = _captured_modes(model, 5, False, ("dejavu_captured_lazy", "dejavu_captured_lazy_pdl"),
-                           lambda mode: programmatic() == mode.endswith("_pdl"))
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(5))
+    options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+               "lazy_kv": True, "fuse_qkv": False, "cudagraphs": False}
+    runs = {}
+    for mode in ("dejavu_captured_lazy", "dejavu_captured_lazy_pdl"):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+        with kernel_switches(mode):
+            assert programmatic() == mode.endswith("_pdl")
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
+                                                tokens, 24)
     assert dejavu_compile.report(model).counters.get("lazy_kv", 0) >= 5
     want = runs["dejavu_captured_lazy"]
     torch.testing.assert_close(runs["dejavu_captured_lazy_pdl"], want,
-                               atol=2e-2 * want.abs().max().item(), rtol=2e-2)
-
-
-def test_row_form_in_the_captured_qkv_step(monkeypatch):
-    """The bench's ``dejavu_captured_qkv_rows_pdl`` step on a small OPT (lazy query, key and
-    value launch in its row form, ``DEJAVU_LAZY_FORM=rows``, autotuned), replayed through
-    ``CapturedStep``: the logits of ``dejavu_captured_qkv_pdl``'s step (the tiles), to the
-    tolerance of fp16 sums added in another order. The fixed selector keeps the selections
-    equal (see ``test_fused_query_matches_the_lazy_step``); the row form's fill of missing
-    positions is checked against the reference in ``tests/test_lazy_kv.py``."""
-    from dejavu_compile.kernels import lazy_kv
-
-    model = _small_opt(6)
-    # the suite's quick tuning gives each autotuner one config, so its cache stays empty:
-    # count the row kernel's launches instead
-    launched, rows_run = [], lazy_kv._rows_kernel.run
-    monkeypatch.setattr(lazy_kv._rows_kernel, "run",
-                        lambda *a, **k: launched.append(1) or rows_run(*a, **k))
-    runs = _captured_modes(model, 8, True, ("dejavu_captured_qkv_pdl",
-                                            "dejavu_captured_qkv_rows_pdl"),
-                           lambda mode: lazy_kv.default_form() == ("rows" if "rows" in mode
-                                                                   else "tiles"))
-    assert dejavu_compile.report(model).counters.get("fuse_qkv", 0) >= 5
-    assert launched  # the decode steps of the rows mode ran the row kernel
-    want = runs["dejavu_captured_qkv_pdl"]
-    torch.testing.assert_close(runs["dejavu_captured_qkv_rows_pdl"], want,
                                atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
@@ -620,33 +584,31 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
 
 
-@pytest.mark.parametrize("arch", ["opt", "llama", "opt_rows"])
+@pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
     """``DEJAVU_EARLY_IDS=1`` (bench modes ``*_early_pdl``): the up kernel of each MLP whose
     predictor ran a layer ahead, and the output projection of each sparse attention, load
-    their ids and first weights before their wait; so does the lazy K/V kernel's row form
-    (``opt_rows``: ``dejavu_captured_qkv_rows_pdl`` against ``..._rows_early_pdl``). In the
-    captured lookahead steps of the bench (a small OPT with lazy K/V and the query fused in,
-    its attention sparse; a small Llama, its attention dense), every kernel launched
-    programmatically, those kernels run that way only with the switch, and the replayed step
-    gives the logits of the step without it, to the tolerance of fp16 sums added in another
-    order. The predictors rank by their biases (``_ranked_by_bias``), so no near-tied unit can
-    flip between the two."""
-    from dejavu_compile.kernels import lazy_kv, sparse_mlp
+    their ids and first weights before their wait. In the captured lookahead steps of the
+    bench (a small OPT with lazy K/V and the query fused in, its attention sparse; a small
+    Llama, its attention dense), every kernel launched programmatically, the up kernels run
+    that way only with the switch, and the replayed step gives the logits of the step without
+    it, to the tolerance of fp16 sums added in another order. The predictors rank by their
+    biases (``_ranked_by_bias``), so no near-tied unit can flip between the two."""
+    from dejavu_compile.kernels import sparse_mlp
 
     from dejavu_compile.bench import kernel_switches, random_profile
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    model = bench.small_llama(6) if arch == "llama" else _small_opt(6)
+    model = _small_opt(6) if arch == "opt" else bench.small_llama(6)
     path = tmp_path / "ahead.yaml"
-    profile = random_profile(model, 0.5 if arch == "llama" else 0.25,
-                             1.0 if arch == "llama" else 0.5, 64, path, lookahead=True)
+    profile = random_profile(model, 0.25 if arch == "opt" else 0.5, 0.5 if arch == "opt" else 1.0,
+                             64, path, lookahead=True)
     _ranked_by_bias(path)
     options = {"profile": profile, "cudagraphs": False}
-    if arch != "llama":
+    if arch == "opt":
         options.update(lazy_kv=True, fuse_qkv=True)
-    real, early, rows_launched = sparse_mlp.launch, [], []
+    real, early = sparse_mlp.launch, []
 
     def spy(kernel, grid, *args, **meta):
         if kernel is sparse_mlp._up_kernel:
@@ -654,15 +616,10 @@ def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(sparse_mlp, "launch", spy)
-    rows_run = lazy_kv._rows_kernel.run
-    monkeypatch.setattr(lazy_kv._rows_kernel, "run",
-                        lambda *a, **k: early.append(k["EARLY"]) or rows_launched.append(1)
-                        or rows_run(*a, **k))
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(8))
-    base = "dejavu_captured_qkv_rows_pdl" if arch == "opt_rows" else "dejavu_captured_qkv_pdl"
     runs = {}
-    for mode in (base, base.replace("_pdl", "_early_pdl")):
+    for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_qkv_early_pdl"):
         torch._dynamo.reset()
         early.clear()
         fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
@@ -672,11 +629,8 @@ def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
                                                 24)
         assert set(early) == {mode.endswith("_early_pdl")}, (mode, early)
     assert dejavu_compile.report(model).counters.get("lookahead[mlp]", 0) > 0
-    if arch == "opt_rows":
-        assert rows_launched and \
-            dejavu_compile.report(model).counters.get("lookahead[attention]", 0) > 0
-    want = runs[base]
-    torch.testing.assert_close(runs[base.replace("_pdl", "_early_pdl")], want,
+    want = runs["dejavu_captured_qkv_pdl"]
+    torch.testing.assert_close(runs["dejavu_captured_qkv_early_pdl"], want,
                                atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 

@@ -94,12 +94,6 @@ _CONFIGS = {  # the decode step's default (d split in two), one position a tile,
             "num_warps": 4},
     "dot_split3": {"BLOCK_P": 16, "DOT": True, "BLOCK_C": 16, "BLOCK_K": 16, "SPLIT": 3,
                    "num_warps": 4},
-    # the row form: the new position a GEMV of whole rows (d 40 over slices of 16: a partial
-    # last one), missing positions filled by the broadcast product or the tensor cores
-    "rows": {"ROWS": True, "BLOCK_C": 8, "BLOCK_D": 16, "BLOCK_P": 4, "DOT": False,
-             "BLOCK_K": 16, "SPLIT": 1, "num_warps": 4},
-    "rows_dot": {"ROWS": True, "BLOCK_C": 16, "BLOCK_D": 32, "BLOCK_P": 16, "DOT": True,
-                 "BLOCK_K": 16, "SPLIT": 1, "num_warps": 4},
 }
 
 
@@ -184,8 +178,7 @@ def _ref_qkv_on_state(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos):
 
 @pytest.mark.parametrize("dtype,bias,batch,hd,config", [
     (torch.float16, True, 1, 16, "gemv4_split2"), (torch.bfloat16, False, 2, 24, "dot_split3"),
-    (torch.float16, True, 2, 16, "gemv1"), (torch.float16, False, 1, 24, "dot"),
-    (torch.float16, True, 1, 24, "rows"), (torch.bfloat16, True, 2, 16, "rows_dot")])
+    (torch.float16, True, 2, 16, "gemv1"), (torch.float16, False, 1, 24, "dot")])
 @pytest.mark.parametrize("grid", ["selection", "heads"])
 def test_fused_query_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """``lazy_qkv``: the query of the selected heads (zeros for the others) from the same
@@ -236,105 +229,6 @@ def test_deterministic_mode_runs_the_kernel_unsplit():
     want = _steps(_ref_on_state, torch.float16, **shape)
     for g, w in zip(got[:2], want[:2], strict=True):
         torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
-
-
-def test_the_row_form_is_chosen_by_its_switch_and_never_split(monkeypatch):
-    """``DEJAVU_LAZY_FORM=rows`` makes a decode step given no config run the row form's
-    autotuner (``_rows_kernel``, over ``ROWS_TILES``; ``ROWS_FIXED`` alone here and in
-    deterministic mode, where it needs no atomics), which matches the reference; a prefill
-    keeps ``PREFILL_FIXED``; a row-form config that splits d and an unknown form are refused
-    with errors that name them."""
-    from dejavu_compile.kernels import lazy_kv, tuning
-    from dejavu_compile.kernels.triton_common import INTERPRET, QUICK_TUNE
-
-    assert tuning.autotuners()["lazy_kv._rows_kernel"] is lazy_kv._rows_kernel
-    tiles = [lazy_kv.ROWS_FIXED] if INTERPRET or QUICK_TUNE else lazy_kv.ROWS_TILES
-    assert [c.kwargs for c in lazy_kv._rows_kernel.configs] == [
-        {k: v for k, v in t.items() if k not in ("num_warps", "num_stages")} for t in tiles]
-    assert all(t["ROWS"] and t["SPLIT"] == 1 for t in lazy_kv.ROWS_TILES)
-    monkeypatch.setenv(lazy_kv.FORM_ENV, "rows")
-    assert lazy_kv.step_config(1) is None  # autotuned, by the row form's tuner
-    assert lazy_kv.step_config(1, _CONFIGS["dot"]) is _CONFIGS["dot"]  # a given config wins
-    assert lazy_kv.step_config(4) is lazy_kv.PREFILL_FIXED
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert lazy_kv.step_config(1) is lazy_kv.ROWS_FIXED
-    finally:
-        torch.use_deterministic_algorithms(before)
-    shape = dict(batch=2, hd=24, bias=True, seed=7)
-    runs = []
-    run = lazy_kv._rows_kernel.run
-    monkeypatch.setattr(lazy_kv._rows_kernel, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
-    got = _steps(lazy_kv.lazy_kv, torch.float16, **shape)
-    assert len(runs) == 10  # every decode step ran the row form's tuner
-    want = _steps(_ref_on_state, torch.float16, **shape)
-    for g, w in zip(got[:2], want[:2], strict=True):
-        torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
-    # with DEJAVU_EARLY_IDS=1 and ids from a lookahead predictor (ahead), the first slice of
-    # weights loads before the wait (EARLY): the same keys and values
-    monkeypatch.setenv("DEJAVU_EARLY_IDS", "1")
-    early = []
-    monkeypatch.setattr(lazy_kv._rows_kernel, "run",
-                        lambda *a, **k: early.append(k["EARLY"]) or run(*a, **k))
-    got_early = _steps(lambda *args: lazy_kv.lazy_kv(*args, ahead=True), torch.float16, **shape)
-    assert early == [True] * 10
-    for g, w in zip(got_early[:2], got[:2], strict=True):
-        torch.testing.assert_close(g, w, atol=0, rtol=0)
-    monkeypatch.delenv("DEJAVU_EARLY_IDS")
-    with pytest.raises(ValueError, match="ROWS.*SPLIT must be 1, got 2"):
-        lazy_kv.step_config(1, {**_CONFIGS["rows"], "SPLIT": 2})
-    monkeypatch.setenv(lazy_kv.FORM_ENV, "gemv")
-    with pytest.raises(ValueError, match="DEJAVU_LAZY_FORM='gemv'"):
-        _steps(lazy_kv.lazy_kv, torch.float16, **shape)
-    monkeypatch.delenv(lazy_kv.FORM_ENV)
-    assert lazy_kv.step_config(1) is None
-
-
-def test_the_row_form_compiles_for_hopper(tmp_path):
-    """The interpreter runs the kernel's Python, not Triton's compiler (it let a loop-carried
-    variable change its type in the row form's first draft): compile the lazy kernel here for
-    an sm_90 GPU (Triton's own ptxas, no GPU needed) at every tile of ``ROWS_TILES``, with and
-    without the query, and with the query and ``EARLY``, under programmatic launch; each waits
-    once, and only ``EARLY`` loads before its wait."""
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dejavu_compile.kernels import lazy_kv
-fn = lazy_kv._lazy_kv_kernel
-ptrs = {"x_ptr": "*fp16", "in_ptr": "*fp16", "idx_ptr": "*i64", "wk_ptr": "*fp16",
-        "bk_ptr": "*fp16", "wv_ptr": "*fp16", "bv_ptr": "*fp16", "k_ptr": "*fp16",
-        "v_ptr": "*fp16", "pos_ptr": "*i64", "valid_ptr": "*i32", "cnt_ptr": "*i32",
-        "ws_ptr": "*fp32", "tile_cnt_ptr": "*i32", "wq_ptr": "*fp16", "bq_ptr": "*fp16",
-        "q_ptr": "*fp16"}
-for cfg in lazy_kv.ROWS_TILES:
-    for mats, early in ((2, False), (3, False), (3, True)):
-        const = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
-        const.update(ALL=False, HAS_B=True, IEEE=False, MATS=mats, SEL=False, BLOCK_H=64,
-                     BLOCK_IDS=32, PDL=True, EARLY=early)
-        sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
-        ptx = triton.compile(ASTSource(fn, sig, constexprs=const),
-                             target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": cfg["num_warps"],
-                                      "num_stages": cfg["num_stages"]}).asm["ptx"]
-        before = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
-        print(cfg["BLOCK_C"], cfg["BLOCK_D"], mats, ptx.count("griddepcontrol.wait"), early,
-              before > 0)
-"""
-    import subprocess
-    import sys
-
-    from dejavu_compile.kernels import lazy_kv
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
-    assert len(rows) == 3 * len(lazy_kv.ROWS_TILES) and all(r[3] == "1" for r in rows), out.stdout
-    # EARLY loads (the ids, the first weights) before its wait; waiting first loads nothing
-    assert all(r[5] == r[4] for r in rows), out.stdout
 
 
 def test_kernel_prefill_computes_every_head():
