@@ -1,7 +1,7 @@
 """Would one launch for the query, key and value rows of the selected heads read faster than
 the two launches of the decode step? On OPT-13B's attention shape (d 5120, 40 heads of 128,
-heads 0.5, a 256-position cache at position 200, every selected head's positions present), per
-layer:
+heads 0.5, a 256-position cache at position 200, every selected head's positions present unless
+``--missing``), per layer:
 
 - ``separate``: the step as it runs with lazy K/V: ``sparse_head_proj`` for the query (its
   zero-fill, kernel and finish) and ``lazy_kv`` for the keys and values;
@@ -25,6 +25,16 @@ copy of the selected rows made contiguous beforehand (``gathered_rows``), the bo
 form with no gather and no cache stores. In the forty-first session a chain of Llama-3-8B's
 dense attention projections ran at 86% of copy bandwidth through ``dejavu::gemv``
 (``examples/gemv_study.py --chain``), where the lazy launch reads at about 60%.
+
+With ``--missing F``, a fraction F of the selected heads have their previous position missing
+at every call, as in a step after one in which those heads were not selected (``MissingState``
+puts that state back before each call, one step of all the layers, in three launches; their
+time, ``state reset``, is taken off every variant): the lazy launches then also fill that
+position, as they do in the decode step (were the selections at head density 0.5 independent
+from step to step, half of the selected heads would have been left out the step before).
+Without it (F 0) no lazy launch fills anything, so it times less work than the step's launch
+does: in the forty-second session a row form of the lazy kernel ran 25.1 us a layer here
+against 26.9 for the tiles, and made OPT-13B's step four times slower (BENCHMARKS.md).
 
 With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``. With
 ``--unsplit``, ``lazy qkv`` at each tile of ``UNSPLIT`` (d split over one or two programs,
@@ -88,6 +98,42 @@ def storing_rows(fn):
     return run
 
 
+def missing_heads(idx: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:
+    """The selected heads (``idx`` [1, 1, k]) whose previous position is missing, as after a
+    step in which they were not selected: ``round(fraction * k)`` of them, chosen at random
+    (``seed``), ascending."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"the fraction of selected heads with a missing position must be in "
+                         f"[0, 1], got {fraction}")
+    chosen = idx.reshape(-1)
+    order = torch.randperm(chosen.numel(), generator=torch.Generator().manual_seed(seed))
+    return chosen[order[:round(fraction * chosen.numel())].to(chosen.device)].sort().values
+
+
+class MissingState:
+    """Puts the caches of the layers back in the state of a step after one in which the heads
+    ``heads`` were not selected: position ``pos - 1`` of those heads zero in the keys and
+    values (``keys_all``, ``values_all`` [layers, B, H, L, hd], each layer's cache a view of
+    them), and their lazy states' valid prefixes (``valids``, one per layer) ``pos - 1``, so a
+    lazy launch at ``pos`` fills that position. Three launches in all (a multi-tensor copy of
+    the prefixes and a zero-fill of each cache's column at ``pos - 1``), whatever the number
+    of layers."""
+
+    def __init__(self, keys_all: torch.Tensor, values_all: torch.Tensor, valids, heads, pos):
+        self.keys_all, self.values_all, self.valids = keys_all, values_all, list(valids)
+        self.heads, self.pos = heads, pos
+        for valid in self.valids:
+            valid.fill_(pos)
+            valid[:, heads] = pos - 1
+        self.prefixes = [valid.clone() for valid in self.valids]
+        self()
+
+    def __call__(self) -> None:
+        torch._foreach_copy_(self.valids, self.prefixes)
+        for cache in (self.keys_all, self.values_all):
+            cache[:, :, :, self.pos - 1].index_fill_(2, self.heads, 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.5)
@@ -100,6 +146,10 @@ def main() -> None:
     parser.add_argument("--unsplit", action="store_true",
                         help="time the fused launch at each tile of UNSPLIT instead of the "
                              "grids' tiles")
+    parser.add_argument("--missing", type=float, default=0.0,
+                        help="the fraction of the selected heads whose previous position is "
+                             "missing (not selected the step before), put back before every "
+                             "call; 0: every selected head's positions present")
     parser.add_argument("--passes", type=int, default=2,
                         help="times each variant this many times, the passes in turn, to "
                              "show each time's spread beside the differences between variants")
@@ -114,16 +164,25 @@ def main() -> None:
     x = torch.randn(1, 1, D, device=dev, dtype=dt)
     pos = torch.tensor([POS], device=dev)
     layers = []
-    for _ in range(args.layers):
+    # the caches of every layer in one tensor each, so that --missing puts them back in one
+    # launch; with --missing 0 every position of every head present
+    keys_all = torch.randn(args.layers, 1, H, L, HD, device=dev, dtype=dt)
+    values_all = torch.randn(args.layers, 1, H, L, HD, device=dev, dtype=dt)
+    valids = []
+    for i in range(args.layers):
         w = torch.randn(3 * H * HD, D, device=dev, dtype=dt) * 0.02  # query, key, value rows
         b = torch.randn(3 * H * HD, device=dev, dtype=dt)
-        keys = torch.randn(1, H, L, HD, device=dev, dtype=dt)
-        values = torch.randn(1, H, L, HD, device=dev, dtype=dt)
-        kv_state.lazy_state(keys, D, dt).valid.fill_(POS)  # every position present
+        keys, values = keys_all[i], values_all[i]
+        state = kv_state.lazy_state(keys, D, dt)
+        state.inputs.normal_()  # the earlier positions' inputs, read by a fill
+        valids.append(state.valid)
         q, kk, v = (w[i * H * HD:(i + 1) * H * HD] for i in range(3))
         bq, bk, bv = (b[i * H * HD:(i + 1) * H * HD] for i in range(3))
         layers.append(dict(w=w, b=b, q=q, k=kk, v=v, bq=bq, bk=bk, bv=bv, kv=w[H * HD:],
                            bkv=b[H * HD:], keys=keys, values=values))
+
+    missing = missing_heads(idx, args.missing)
+    reset = MissingState(keys_all, values_all, valids, missing, POS)
 
     def lazy(lay, config=None, grid=None):
         lazy_kv.lazy_kv(x, idx, lay["k"], lay["bk"], lay["v"], lay["bv"], lay["keys"],
@@ -163,17 +222,30 @@ def main() -> None:
             name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT} w{num_warps}".format(**cfg)
             variants[f"lazy kv {name}"] = (2, lambda lay, c=cfg: lazy(lay, c))
             variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
+    if missing.numel():  # the reset alone, timed as the others and taken off each of them
+        variants = {"state reset": (0, lambda lay: None), **variants}
     row_bytes = k * HD * D * 2  # one matrix's selected rows, fp16
     times = {name: [] for name in variants}
     for _ in range(args.passes):  # every variant once a pass, in the same order
         for name, (_, fn) in variants.items():
             def step(fn=fn):
+                if missing.numel():
+                    reset()
                 for lay in layers:
                     fn(lay)
             ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
             times[name].append(ms * 1e3 / len(layers))
     print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn, "
           f"us a layer in each of {args.passes} passes:")
+    if missing.numel():
+        print(f"{missing.numel()} of the {k} selected heads have position {POS - 1} missing at "
+              f"every call; each variant's time is net of 'state reset' (its own line, the "
+              f"pass's time of putting that state back)")
+        reset_us = times["state reset"]
+        print(f"  {'state reset':34s} {' '.join(f'{us:6.1f}' for us in reset_us)} us a layer")
+        times = {name: [us - r for us, r in zip(t, reset_us, strict=True)] for name, t in times.items()
+                 if name != "state reset"}
+        variants.pop("state reset")
     for name, (matrices, _) in variants.items():
         nbytes = matrices * row_bytes
         best = min(times[name])

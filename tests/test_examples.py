@@ -65,6 +65,56 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
     torch.testing.assert_close(dense.gemv(x, w[rows].contiguous(), b[rows]), want[..., rows])
 
 
+def test_qkv_study_missing_state_makes_the_lazy_launch_fill_each_call():
+    """``examples/qkv_study.py --missing``: ``MissingState`` leaves the chosen selected heads
+    with position ``pos - 1`` zero and their valid prefix ``pos - 1`` in every layer, so the
+    lazy K/V launch at ``pos`` fills that position from the kept input (the kernel under the
+    interpreter, against the projection), and puts that state back at each call."""
+    import torch.nn.functional as F
+    from dejavu_compile.kernels import kv_state, lazy_kv
+
+    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
+    n_layers, n_heads, length, hd, d, pos = 2, 4, 12, 8, 32, 7
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.tensor([[[0, 2, 3]]])
+    assert study.missing_heads(idx, 0.0).numel() == 0
+    with pytest.raises(ValueError, match="in \\[0, 1\\], got 1.5"):
+        study.missing_heads(idx, 1.5)
+    missing = study.missing_heads(idx, 2 / 3)
+    assert missing.numel() == 2 and set(missing.tolist()) <= {0, 2, 3}
+    keys_all = torch.randn(n_layers, 1, n_heads, length, hd, generator=gen)
+    values_all = torch.randn(n_layers, 1, n_heads, length, hd, generator=gen)
+    states = [kv_state.lazy_state(keys_all[i], d, torch.float32) for i in range(n_layers)]
+    for state in states:
+        state.inputs.copy_(torch.randn(state.inputs.shape, generator=gen))
+    reset = study.MissingState(keys_all, values_all, [s.valid for s in states], missing, pos)
+    other = sorted(set(range(n_heads)) - set(missing.tolist()))
+
+    def check_put_back():
+        for state in states:
+            assert state.valid[0, missing].tolist() == [pos - 1] * 2
+            assert state.valid[0, other].tolist() == [pos] * len(other)
+        for cache in (keys_all, values_all):
+            assert not cache[:, 0, missing, pos - 1].any()
+            assert cache[:, 0, other, pos - 1].abs().amin() > 0
+
+    check_put_back()
+    wk, wv = (torch.randn(n_heads * hd, d, generator=gen) * 0.2 for _ in range(2))
+    bk, bv = (torch.randn(n_heads * hd, generator=gen) for _ in range(2))
+    x = torch.randn(1, 1, d, generator=gen)
+    for _ in range(2):  # the launch fills the missing position; the reset takes it away again
+        lazy_kv.lazy_kv(x, idx, wk, bk, wv, bv, keys_all[0], values_all[0],
+                        torch.tensor([pos]))
+        kept = states[0].inputs[0, pos - 1]
+        for cache, w, b in ((keys_all, wk, bk), (values_all, wv, bv)):
+            want = F.linear(kept, w, b).view(n_heads, hd)[missing]
+            torch.testing.assert_close(cache[0, 0, missing, pos - 1], want, atol=1e-4,
+                                       rtol=1e-4)
+        assert states[0].valid[0, idx.reshape(-1)].tolist() == [pos + 1] * 3
+        reset()
+        check_put_back()
+
+
 def test_gemv_study_chain_is_the_layers_projections_in_turn():
     """``examples/gemv_study.py --chain`` times each layer's query, key and value projection
     and then its output projection of the query's part, through the GEMV as through
