@@ -169,10 +169,10 @@ def main() -> None:
     keys_all = torch.randn(args.layers, 1, H, L, HD, device=dev, dtype=dt)
     values_all = torch.randn(args.layers, 1, H, L, HD, device=dev, dtype=dt)
     valids = []
-    for i in range(args.layers):
+    for layer in range(args.layers):
         w = torch.randn(3 * H * HD, D, device=dev, dtype=dt) * 0.02  # query, key, value rows
         b = torch.randn(3 * H * HD, device=dev, dtype=dt)
-        keys, values = keys_all[i], values_all[i]
+        keys, values = keys_all[layer], values_all[layer]
         state = kv_state.lazy_state(keys, D, dt)
         state.inputs.normal_()  # the earlier positions' inputs, read by a fill
         valids.append(state.valid)
