@@ -111,7 +111,12 @@ PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C":
 # ``examples/qkv_study.py``, at the shipped OPT-13B tile with the query (C64 K64 S4), 36.5
 # against 28.1 us a layer in its first form (its extra slot looped over the heads); in the
 # OPT-13B step, side by side, 4.17 against 3.88 ms in this vectorised form (thirty-first
-# session, BENCHMARKS.md).
+# session, BENCHMARKS.md). Both steps then ran the one tile shipped for the key, the grid not
+# being in it: C64 K64 S4, the heads grid's fastest and the selection grid's slowest. In the
+# forty-third session's study, with half the selected heads filling a missing position at
+# every call (``--missing 0.5``), the selection grid at C128 K64 S4 took 26.0 us a layer, the
+# fastest of both grids' tiles, against 27.2 for the heads grid at C64 K64 S4; the grid is
+# now in the tuning key, and the shipped file names a tile for each.
 GRIDS = ("heads", "selection")
 GRID_ENV = "DEJAVU_LAZY_GRID"
 
@@ -306,7 +311,9 @@ def _lazy_kv_kernel(
         _record_prefix(cnt_ptr + bh, valid_ptr + bh, programs, tl.where(chosen > 0, e, lo))
 
 
-_decode_kernel = triton.autotune(configs=decode_configs(), key=["D", "HD", "MATS"])(_lazy_kv_kernel)
+# the grid is in the key: the two grids' fastest tiles differ (``GRIDS``), and each ships its own
+_decode_kernel = triton.autotune(configs=decode_configs(),
+                                 key=["D", "HD", "MATS", "SEL"])(_lazy_kv_kernel)
 
 
 def step_config(n: int, config: dict | None = None) -> dict | None:
