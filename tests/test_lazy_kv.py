@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from dejavu_compile.kernels import kv_state, ops
+from dejavu_compile.kernels import kv_state, lazy_kv, ops
 from dejavu_compile.kernels import reference as ref
 
 from dejavu_compile import bench
@@ -95,6 +95,10 @@ _CONFIGS = {  # the decode step's default (d split in two), one position a tile,
     "dot_split3": {"BLOCK_P": 16, "DOT": True, "BLOCK_C": 16, "BLOCK_K": 16, "SPLIT": 3,
                    "num_warps": 4},
 }
+# on a GPU also every tile the decode step's autotuner picks among (each grid ships its own)
+_TILES = {} if DEVICE == "cpu" else {
+    f"tile_c{t['BLOCK_C']}_k{t['BLOCK_K']}_s{t['SPLIT']}": t for t in lazy_kv.DECODE_TILES}
+_CONFIGS.update(_TILES)
 
 
 @pytest.mark.parametrize("dtype,bias,batch,hd", [(torch.float16, True, 1, 16),
@@ -104,8 +108,6 @@ _CONFIGS = {  # the decode step's default (d split in two), one position a tile,
 def test_kernel_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """Odd sizes (d 40, head dim 24 over tiles of 16), one to three heads selected a step,
     each form of the kernel's product, each grid (over the selection's slots, over heads)."""
-    from dejavu_compile.kernels import lazy_kv
-
     def kernel(*args):
         lazy_kv.lazy_kv(*args, config=_CONFIGS[config], grid=grid)
 
@@ -127,8 +129,6 @@ def test_kernel_takes_pads_repeats_and_a_shared_row(grid):
     """Selections as a union or a padded top-k can give them: ids of -1 and past the heads
     (ignored), a head named twice (computed once: its sums are added once), and one id row
     shared by a batch of two; the same cache and query as the reference's over 5 steps."""
-    from dejavu_compile.kernels import lazy_kv
-
     rows = [[[3, -1, 3]], [[0, 7, 2]], [[-1, -1, 1]], [[4, 4, 4]], [[2, 0, 1]]]
     gen = torch.Generator().manual_seed(13)
     dtype, batch, heads, hd, d, prompt = torch.float16, 2, 5, 16, 40, 4
@@ -178,13 +178,12 @@ def _ref_qkv_on_state(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos):
 
 @pytest.mark.parametrize("dtype,bias,batch,hd,config", [
     (torch.float16, True, 1, 16, "gemv4_split2"), (torch.bfloat16, False, 2, 24, "dot_split3"),
-    (torch.float16, True, 2, 16, "gemv1"), (torch.float16, False, 1, 24, "dot")])
+    (torch.float16, True, 2, 16, "gemv1"), (torch.float16, False, 1, 24, "dot"),
+    *[(torch.float16, True, 1, 24, name) for name in _TILES]])
 @pytest.mark.parametrize("grid", ["selection", "heads"])
 def test_fused_query_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """``lazy_qkv``: the query of the selected heads (zeros for the others) from the same
     launch as their keys and values, which stay as ``lazy_kv`` leaves them."""
-    from dejavu_compile.kernels import lazy_kv
-
     gen = torch.Generator().manual_seed(11)
     wq, bq = _weights(5, hd, 40, dtype, gen, bias)[:2]
     got_q, want_q = [], []
@@ -211,8 +210,6 @@ def test_deterministic_mode_runs_the_kernel_unsplit():
     """Under ``torch.use_deterministic_algorithms`` a decode step runs a form without atomics
     (SPLIT 1; the split form's sums meet in no fixed order), a given split config is refused
     with a clear error, and the kernel still matches the reference."""
-    from dejavu_compile.kernels import lazy_kv
-
     assert lazy_kv.step_config(1) is None  # autotuned
     assert lazy_kv.step_config(4) is lazy_kv.PREFILL_FIXED
     before = torch.are_deterministic_algorithms_enabled()
@@ -233,8 +230,6 @@ def test_deterministic_mode_runs_the_kernel_unsplit():
 
 def test_kernel_prefill_computes_every_head():
     """Several new tokens (a prefill through the op): every head, every new position."""
-    from dejavu_compile.kernels import lazy_kv
-
     gen = torch.Generator().manual_seed(1)
     heads, hd, d = 3, 16, 40
     wk, bk, wv, bv = _weights(heads, hd, d, torch.float16, gen)
