@@ -753,7 +753,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
          "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
-         "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_ipdl_pdl",
+         "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_heads_pdl",
+         "dejavu_captured_qkv_ipdl_pdl",
          "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
          "dejavu_captured_qkv_early_pdl", "dejavu_captured_ahead_early_pdl",
          "dejavu_captured_qkv_norm_pdl", "dejavu_captured_qkv_normk_pdl",
@@ -845,8 +846,10 @@ _DEJAVU_MODES = {
     "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                               "batch_positions": True}),
     # dejavu_captured_qkv_pdl with the lazy K/V kernel's programs over the selection's slots
-    # instead of every head (lazy_kv.GRID_ENV set to "selection"; kernel_switches)
+    # (lazy_kv.GRID_ENV set to "selection"; kernel_switches): since the forty-third session
+    # the default, so the same step; and with them over every head ("heads")
     "dejavu_captured_qkv_sel_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
+    "dejavu_captured_qkv_heads_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # dejavu_captured_qkv_pdl with Inductor's own kernels launched programmatically too
     # (option inductor_pdl; since it became the default, with every *_pdl mode, the two are
     # the same step, and dejavu_captured_qkv_noipdl_pdl is the one without)
@@ -933,7 +936,8 @@ def kernel_switches(mode: str):
     ``*_pdl`` and 0 for every other mode, so that each pair compares it,
     ``DEJAVU_STORE_ROWS`` (the row-storing kernels) set for ``dejavu_store`` and
     ``DEJAVU_LAZY_GRID`` (the lazy K/V kernel's grid) "selection" for
-    ``dejavu_captured_qkv_sel_pdl``, ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
+    ``dejavu_captured_qkv_sel_pdl`` and "heads" for ``dejavu_captured_qkv_heads_pdl``,
+    ``DEJAVU_EARLY_IDS`` (a lookahead MLP's up kernel and an
     attention's output projection load their ids and first weights before their wait) 1 for
     the modes named ``*_early_pdl``, ``DEJAVU_NORM_FINISH`` (where a fused norm is computed)
     "last" for ``dejavu_captured_qkv_norm_pdl``, "kernel" for
@@ -964,8 +968,10 @@ def kernel_switches(mode: str):
             os.environ[EARLY_IDS_ENV] = "1"
         if mode == "dejavu_store":
             os.environ[STORE_ROWS_ENV] = "1"
-        if mode == "dejavu_captured_qkv_sel_pdl":
-            os.environ[GRID_ENV] = "selection"
+        grids = {"dejavu_captured_qkv_sel_pdl": "selection",
+                 "dejavu_captured_qkv_heads_pdl": "heads"}
+        if mode in grids:
+            os.environ[GRID_ENV] = grids[mode]
         yield
 
 

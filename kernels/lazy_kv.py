@@ -4,8 +4,8 @@ are described in ``kernels/ops.py`` and ``kernels/kv_state.py``, the reference i
 ``kernels/reference.py::lazy_kv``).
 
 Grid: (sequence x K/V head, column tile of the head, keys or values), or in a decode step with
-``grid="selection"`` (sequence x slot of the selection's ids, plus one slot for the heads not
-named, ...; ``GRIDS``). A program of a selected
+``grid="selection"``, the default (sequence x slot of the selection's ids, plus one slot for the
+heads not named, ...; ``GRIDS``). A program of a selected
 head walks the positions from the head's valid prefix to the last new one in tiles of
 ``BLOCK_P``: a position before the new ones is missing when its key (or value) columns of the
 program's tile are all zero, and the new ones are always computed; a tile with any such position
@@ -106,24 +106,27 @@ PREFILL_FIXED = {"BLOCK_P": 64 if not INTERPRET else 16, "DOT": True, "BLOCK_C":
 # or one set per slot of the selection's ids (the first slot of each head named computes it)
 # and one more that writes the zeros of every other head ("selection", built in the
 # thirty-first session). A prefill, or a call without a selection, runs over heads. The default
-# is "heads", "selection" where ``DEJAVU_LAZY_GRID=selection`` (``dejavu bench`` mode
-# ``dejavu_captured_qkv_sel_pdl``): on an H200 the selection grid was slower. In
+# is "selection" since the forty-third session, "heads" where ``DEJAVU_LAZY_GRID=heads``
+# (``dejavu bench`` mode ``dejavu_captured_qkv_heads_pdl``). It had been "heads": on an H200
+# the selection grid was slower. In
 # ``examples/qkv_study.py``, at the shipped OPT-13B tile with the query (C64 K64 S4), 36.5
 # against 28.1 us a layer in its first form (its extra slot looped over the heads); in the
 # OPT-13B step, side by side, 4.17 against 3.88 ms in this vectorised form (thirty-first
 # session, BENCHMARKS.md). Both steps then ran the one tile shipped for the key, the grid not
-# being in it: C64 K64 S4, the heads grid's fastest and the selection grid's slowest. In the
+# being in it: C64 K64 S4, among the heads grid's fastest and the selection grid's slowest. In the
 # forty-third session's study, with half the selected heads filling a missing position at
 # every call (``--missing 0.5``), the selection grid at C128 K64 S4 took 26.0 us a layer, the
 # fastest of both grids' tiles, against 27.2 for the heads grid at C64 K64 S4; the grid is
-# now in the tuning key, and the shipped file names a tile for each.
-GRIDS = ("heads", "selection")
+# now in the tuning key, and the shipped file names a tile for each. With those tiles, in two
+# runs side by side, the OPT-13B step took 3.38 ms over the selection against 3.43 and 3.41
+# over heads (BENCHMARKS.md, forty-third session).
+GRIDS = ("selection", "heads")  # the first the default
 GRID_ENV = "DEJAVU_LAZY_GRID"
 
 
 def default_grid() -> str:
     """The grid of a launch that names none: ``DEJAVU_LAZY_GRID`` if set (one of ``GRIDS``,
-    else an error), else "heads"."""
+    else an error), else "selection"."""
     grid = os.environ.get(GRID_ENV, GRIDS[0])
     if grid not in GRIDS:
         raise ValueError(f"{GRID_ENV}={grid!r}: set it to one of {GRIDS}")

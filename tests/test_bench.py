@@ -542,16 +542,20 @@ def test_kernel_switches_follow_the_mode(monkeypatch):
     assert PDL_ENV not in os.environ and STORE_ROWS_ENV not in os.environ
 
 
-def test_only_the_sel_mode_sets_the_lazy_grid(monkeypatch):
-    """``dejavu_captured_qkv_sel_pdl`` runs the lazy K/V kernel over the selection's slots
-    (``DEJAVU_LAZY_GRID=selection``), every other mode over heads whatever the environment
-    said; the environment is restored; an unknown grid is an error naming the variable."""
+def test_only_the_grid_modes_set_the_lazy_grid(monkeypatch):
+    """``dejavu_captured_qkv_heads_pdl`` runs the lazy K/V kernel over every head
+    (``DEJAVU_LAZY_GRID=heads``), ``dejavu_captured_qkv_sel_pdl`` over the selection's slots,
+    every other mode over the default grid (the selection's) whatever the environment said; the
+    environment is restored; an unknown grid is an error naming the variable."""
     from dejavu_compile.kernels import lazy_kv
 
-    monkeypatch.setenv(lazy_kv.GRID_ENV, "selection")  # set outside: the mode says its own
+    monkeypatch.setenv(lazy_kv.GRID_ENV, "heads")  # set outside: the mode says its own
     for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_lazy"):
         with bench.kernel_switches(mode):
-            assert lazy_kv.default_grid() == "heads"
+            assert lazy_kv.default_grid() == "selection"
+    with bench.kernel_switches("dejavu_captured_qkv_heads_pdl"):
+        assert lazy_kv.default_grid() == "heads"
+    monkeypatch.setenv(lazy_kv.GRID_ENV, "selection")
     with bench.kernel_switches("dejavu_captured_qkv_sel_pdl"):
         assert lazy_kv.default_grid() == "selection"
     assert os.environ[lazy_kv.GRID_ENV] == "selection"
