@@ -36,6 +36,14 @@ Without it (F 0) no lazy launch fills anything, so it times less work than the s
 does: in the forty-second session a row form of the lazy kernel ran 25.1 us a layer here
 against 26.9 for the tiles, and made OPT-13B's step four times slower (BENCHMARKS.md).
 
+With ``--beside``, each layer's two learned selectors of the next layer (the MLP's, rank 128
+over its 20480 neurons at density 0.1 in buckets of 128, and the heads', over the 40 heads at
+``--density``: ``Selectors``, the bench's random predictors' shapes) run on a side stream
+while the variant runs, joined at the layer's end, as the lookahead step runs them; a
+``selectors`` line times them alone. In the forty-third session's OPT-13B breakdown the lazy
+launch took about 31 us a call in the step, where this study times it at about 27 alone,
+with or without missing positions: the step runs it beside those selectors.
+
 With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``. With
 ``--unsplit``, ``lazy qkv`` at each tile of ``UNSPLIT`` (d split over one or two programs,
 narrow column tiles: as many programs with fewer or no atomics and no finish in the last
@@ -60,10 +68,13 @@ from unittest import mock
 
 import torch
 import triton
-from dejavu_compile.kernels import dense, heads, kv_state, lazy_kv
+from dejavu_compile.kernels import dense, heads, kv_state, lazy_kv, predictor
 from dejavu_compile.kernels.triton_common import STORE_ROWS_ENV
 
+from dejavu_compile.profile import default_buckets, kept_units
+
 D, H, HD, L, POS = 5120, 40, 128, 256, 200
+MLP_UNITS, MLP_DENSITY, RANK = 20480, 0.1, 128  # the selectors of --beside
 # tiles of the lazy kernels' tensor-core form (one position tile of 16) timed with --sweep
 SWEEP = [{"BLOCK_P": 16, "DOT": True, "BLOCK_C": c, "BLOCK_K": kk, "SPLIT": sp, "num_warps": w,
           "num_stages": 3}
@@ -134,6 +145,31 @@ class MissingState:
             cache[:, :, :, self.pos - 1].index_fill_(2, self.heads, 0)
 
 
+class Selectors:
+    """A layer's two learned selectors as the lookahead step runs them on its side stream: the
+    MLP's over ``mlp_units`` at ``mlp_density`` and the heads' over ``heads`` at
+    ``head_density``, each a rank-``rank`` predictor (``predictor.select_predictor``, ReLU,
+    biased first layer, the default buckets) with random weights of the bench's scale, on
+    input ``x`` [1, 1, d]. Calling one runs both and returns their ids."""
+
+    def __init__(self, x, mlp_units: int, mlp_density: float, heads: int, head_density: float,
+                 rank: int = RANK, generator: torch.Generator | None = None):
+        self.x = x
+        self.parts = []
+        d = x.shape[-1]
+        for units, density in ((mlp_units, mlp_density), (heads, head_density)):
+            def rand(*shape, scale):
+                return (torch.randn(*shape, generator=generator) * scale).to(x.device, x.dtype)
+            buckets = default_buckets(units)
+            self.parts.append((rand(rank, d, scale=d**-0.5), rand(rank, scale=1.0),
+                               rand(units, rank, scale=rank**-0.5),
+                               kept_units(density, units, buckets), buckets))
+
+    def __call__(self) -> list[torch.Tensor]:
+        return [predictor.select_predictor(self.x, w1, b1, w2, None, "relu", k, 1, buckets)
+                for w1, b1, w2, k, buckets in self.parts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.5)
@@ -150,6 +186,9 @@ def main() -> None:
                         help="the fraction of the selected heads whose previous position is "
                              "missing (not selected the step before), put back before every "
                              "call; 0: every selected head's positions present")
+    parser.add_argument("--beside", action="store_true",
+                        help="run each layer's two selectors on a side stream beside every "
+                             "variant, as the lookahead step does")
     parser.add_argument("--passes", type=int, default=2,
                         help="times each variant this many times, the passes in turn, to "
                              "show each time's spread beside the differences between variants")
@@ -179,7 +218,8 @@ def main() -> None:
         q, kk, v = (w[i * H * HD:(i + 1) * H * HD] for i in range(3))
         bq, bk, bv = (b[i * H * HD:(i + 1) * H * HD] for i in range(3))
         layers.append(dict(w=w, b=b, q=q, k=kk, v=v, bq=bq, bk=bk, bv=bv, kv=w[H * HD:],
-                           bkv=b[H * HD:], keys=keys, values=values))
+                           bkv=b[H * HD:], keys=keys, values=values,
+                           selectors=Selectors(x, MLP_UNITS, MLP_DENSITY, H, args.density)))
 
     missing = missing_heads(idx, args.missing)
     reset = MissingState(keys_all, values_all, valids, missing, POS)
@@ -222,21 +262,35 @@ def main() -> None:
             name = "C{BLOCK_C} K{BLOCK_K} S{SPLIT} w{num_warps}".format(**cfg)
             variants[f"lazy kv {name}"] = (2, lambda lay, c=cfg: lazy(lay, c))
             variants[f"lazy qkv {name}"] = (3, lambda lay, c=cfg: fused(lay, c))
+    if args.beside:  # the selectors alone (the main stream idle while they run)
+        variants = {"selectors": (0, lambda lay: None), **variants}
     if missing.numel():  # the reset alone, timed as the others and taken off each of them
         variants = {"state reset": (0, lambda lay: None), **variants}
+    side = torch.cuda.Stream() if args.beside else None
     row_bytes = k * HD * D * 2  # one matrix's selected rows, fp16
     times = {name: [] for name in variants}
     for _ in range(args.passes):  # every variant once a pass, in the same order
         for name, (_, fn) in variants.items():
-            def step(fn=fn):
+            def step(fn=fn, name=name):
                 if missing.numel():
                     reset()
+                main_stream = torch.cuda.current_stream()
                 for lay in layers:
+                    if side is not None and name != "state reset":
+                        side.wait_stream(main_stream)
+                        with torch.cuda.stream(side):
+                            lay["selectors"]()
                     fn(lay)
+                    if side is not None:
+                        main_stream.wait_stream(side)
             ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
             times[name].append(ms * 1e3 / len(layers))
     print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn, "
           f"us a layer in each of {args.passes} passes:")
+    if args.beside:
+        print(f"each layer's selectors (MLP {MLP_DENSITY} of {MLP_UNITS}, heads {k} of {H}, "
+              f"rank {RANK}) on a side stream beside every variant; 'selectors' times them "
+              f"alone")
     if missing.numel():
         print(f"{missing.numel()} of the {k} selected heads have position {POS - 1} missing at "
               f"every call; each variant's time is net of 'state reset' (its own line, the "
@@ -249,6 +303,9 @@ def main() -> None:
     for name, (matrices, _) in variants.items():
         nbytes = matrices * row_bytes
         best = min(times[name])
+        if not nbytes:  # the selectors alone
+            print(f"  {name:34s} {' '.join(f'{us:6.1f}' for us in times[name])} us a layer")
+            continue
         print(f"  {name:34s} {' '.join(f'{us:6.1f}' for us in times[name])} us a layer  "
               f"{nbytes / 1e6:5.1f} MB  {nbytes / best / 1e6:5.2f} TB/s at the fastest pass")
 

@@ -65,6 +65,28 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
     torch.testing.assert_close(dense.gemv(x, w[rows].contiguous(), b[rows]), want[..., rows])
 
 
+def test_qkv_study_selectors_pick_what_their_predictors_score_highest():
+    """``examples/qkv_study.py --beside``: ``Selectors`` runs a layer's two selectors as the
+    step does (the bucketed Triton selector, under the interpreter here): the MLP's keeps
+    ``kept_units`` of each bucket, the heads' the top heads, each the units its predictor
+    scores highest (ReLU on the biased first layer)."""
+    from dejavu_compile.profile import default_buckets
+
+    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
+    x = torch.randn(1, 1, 48, generator=torch.Generator().manual_seed(2))
+    selectors = study.Selectors(x, 512, 0.25, 6, 0.5, rank=8,
+                                generator=torch.Generator().manual_seed(3))
+    assert default_buckets(512) == 4 and default_buckets(6) == 1
+    mlp, heads = selectors()
+    assert mlp.shape == (1, 1, 128) and heads.shape == (1, 1, 3)
+    for ids, (w1, b1, w2, k, buckets) in zip((mlp, heads), selectors.parts, strict=True):
+        scores = torch.relu(x.reshape(-1) @ w1.T + b1) @ w2.T
+        per = w2.shape[0] // buckets
+        want = torch.cat([scores[b * per:(b + 1) * per].topk(k // buckets).indices + b * per
+                          for b in range(buckets)]).sort().values
+        assert ids.reshape(-1).tolist() == want.tolist()
+
+
 def test_qkv_study_missing_state_makes_the_lazy_launch_fill_each_call():
     """``examples/qkv_study.py --missing``: ``MissingState`` leaves the chosen selected heads
     with position ``pos - 1`` zero and their valid prefix ``pos - 1`` in every layer, so the
