@@ -44,7 +44,8 @@ while the variant runs, joined at the layer's end, as the lookahead step runs th
 launch took about 31 us a call in the step, where this study times it at about 27 alone,
 with or without missing positions: the step runs it beside those selectors.
 
-With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``. With
+With ``--sweep``, ``lazy kv`` and ``lazy qkv`` again at each tile of ``SWEEP``, in the default
+grid (``lazy_kv.default_grid()``: the selection's since the forty-third session). With
 ``--unsplit``, ``lazy qkv`` at each tile of ``UNSPLIT`` (d split over one or two programs,
 narrow column tiles: as many programs with fewer or no atomics and no finish in the last
 program), in place of the tiles of the two grids.
