@@ -50,6 +50,13 @@ grid (``lazy_kv.default_grid()``: the selection's since the forty-third session)
 narrow column tiles: as many programs with fewer or no atomics and no finish in the last
 program), in place of the tiles of the two grids.
 
+The lazy kernel's autotuner starts from the tiles shipped for the GPU
+(``kernels/tuned/``), as the decode step does, so ``lazy qkv`` and ``lazy kv`` run the step's
+tiles; the study prints the tile each grid ran (before the forty-third session it read no
+shipped file, and its ``lazy qkv`` line ran whatever its own autotuner chose: 26.9 us a layer
+with ``--missing 0`` and 29.7 with ``--missing 0.5`` in the next run, where each tile timed
+alone moved by at most 1.0 us between the two: another tile chosen, BENCHMARKS.md).
+
 Each variant runs over ``--layers`` copies of the weights in turn (a CUDA graph of repeated
 calls, ``triton.testing.do_bench_cudagraph``), so the weights stream from memory as in a step
 rather than staying in L2. Prints us a layer in each of ``--passes`` passes over the variants
@@ -69,7 +76,7 @@ from unittest import mock
 
 import torch
 import triton
-from dejavu_compile.kernels import dense, heads, kv_state, lazy_kv, predictor
+from dejavu_compile.kernels import dense, heads, kv_state, lazy_kv, predictor, tuning
 from dejavu_compile.kernels.triton_common import STORE_ROWS_ENV
 
 from dejavu_compile.profile import default_buckets, kept_units
@@ -146,6 +153,20 @@ class MissingState:
             cache[:, :, :, self.pos - 1].index_fill_(2, self.heads, 0)
 
 
+def lazy_choices(entries) -> list[str]:
+    """Lines naming the tile the lazy kernel ran for each of its tuning keys, from
+    ``tuning.tuned()``'s entries of ``lazy_kv._decode_kernel``: the matrices (2 keys and
+    values, 3 with the query), the grid and the tile."""
+    lines = []
+    for entry in entries:
+        d, hd, mats, sel = entry["key"][:4]
+        kw = entry["config"]["kwargs"]
+        lines.append(f"  {'lazy qkv' if mats == 3 else 'lazy kv'} "
+                     f"({'selection' if sel else 'heads'} grid, d {d}, head dim {hd}): "
+                     f"C{kw['BLOCK_C']} K{kw['BLOCK_K']} S{kw['SPLIT']}")
+    return lines
+
+
 class Selectors:
     """A layer's two learned selectors as the lookahead step runs them on its side stream: the
     MLP's over ``mlp_units`` at ``mlp_density`` and the heads' over ``heads`` at
@@ -196,6 +217,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("qkv_study needs a CUDA GPU")
+    seeded = tuning.seed_shipped(torch.cuda.get_device_name())
     torch.manual_seed(0)
     dev, dt = "cuda", torch.float16
     k = round(args.density * H)
@@ -288,6 +310,9 @@ def main() -> None:
             times[name].append(ms * 1e3 / len(layers))
     print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn, "
           f"us a layer in each of {args.passes} passes:")
+    print(f"{seeded} tuning keys seeded from the shipped tiles; the lazy kernel ran, in "
+          f"{lazy_kv.default_grid()!r}, the default grid:")
+    print("\n".join(lazy_choices(tuning.tuned().get("lazy_kv._decode_kernel", []))))
     if args.beside:
         print(f"each layer's selectors (MLP {MLP_DENSITY} of {MLP_UNITS}, heads {k} of {H}, "
               f"rank {RANK}) on a side stream beside every variant; 'selectors' times them "

@@ -5,6 +5,7 @@ studies need a GPU and the demo minutes."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,19 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
     rows = study.gathered_rows(stacked, hd)
     assert rows.tolist() == [r for h in (1, 3, 5, 7, 9, 11) for r in range(h * hd, (h + 1) * hd)]
     torch.testing.assert_close(dense.gemv(x, w[rows].contiguous(), b[rows]), want[..., rows])
+
+
+def test_qkv_study_names_the_lazy_tiles_it_ran():
+    """``examples/qkv_study.py`` prints, from the autotuner's choices, the grid and tile the
+    lazy launches ran for each key: the shipped file's keys (D, HD, MATS, SEL, then dtypes)."""
+    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
+    shipped = json.loads((Path(__file__).parents[1] / "kernels" / "tuned" / "NVIDIA_H200.json"
+                          ).read_text())["tuned"]["lazy_kv._decode_kernel"]
+    lines = study.lazy_choices(shipped)
+    assert "  lazy qkv (selection grid, d 5120, head dim 128): C128 K64 S4" in lines
+    assert "  lazy qkv (heads grid, d 5120, head dim 128): C64 K64 S4" in lines
+    assert "  lazy kv (selection grid, d 5120, head dim 128): C64 K128 S4" in lines
+    assert len(lines) == len(shipped) == 4
 
 
 def test_qkv_study_selectors_pick_what_their_predictors_score_highest():
