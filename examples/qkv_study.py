@@ -176,12 +176,13 @@ class Selectors:
 
     def __init__(self, x, mlp_units: int, mlp_density: float, heads: int, head_density: float,
                  rank: int = RANK, generator: torch.Generator | None = None):
+        def rand(*shape, scale):
+            return (torch.randn(*shape, generator=generator) * scale).to(x.device, x.dtype)
+
         self.x = x
         self.parts = []
         d = x.shape[-1]
         for units, density in ((mlp_units, mlp_density), (heads, head_density)):
-            def rand(*shape, scale):
-                return (torch.randn(*shape, generator=generator) * scale).to(x.device, x.dtype)
             buckets = default_buckets(units)
             self.parts.append((rand(rank, d, scale=d**-0.5), rand(rank, scale=1.0),
                                rand(units, rank, scale=rank**-0.5),
@@ -242,7 +243,8 @@ def main() -> None:
         bq, bk, bv = (b[i * H * HD:(i + 1) * H * HD] for i in range(3))
         layers.append(dict(w=w, b=b, q=q, k=kk, v=v, bq=bq, bk=bk, bv=bv, kv=w[H * HD:],
                            bkv=b[H * HD:], keys=keys, values=values,
-                           selectors=Selectors(x, MLP_UNITS, MLP_DENSITY, H, args.density)))
+                           selectors=(Selectors(x, MLP_UNITS, MLP_DENSITY, H, args.density)
+                                      if args.beside else None)))
 
     missing = missing_heads(idx, args.missing)
     reset = MissingState(keys_all, values_all, valids, missing, POS)
@@ -298,13 +300,14 @@ def main() -> None:
                 if missing.numel():
                     reset()
                 main_stream = torch.cuda.current_stream()
+                beside = side is not None and name != "state reset"
                 for lay in layers:
-                    if side is not None and name != "state reset":
+                    if beside:  # forked from the main stream and joined back: one graph
                         side.wait_stream(main_stream)
                         with torch.cuda.stream(side):
                             lay["selectors"]()
                     fn(lay)
-                    if side is not None:
+                    if beside:
                         main_stream.wait_stream(side)
             ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
             times[name].append(ms * 1e3 / len(layers))

@@ -549,6 +549,8 @@ def test_only_the_grid_modes_set_the_lazy_grid(monkeypatch):
     environment is restored; an unknown grid is an error naming the variable."""
     from dejavu_compile.kernels import lazy_kv
 
+    for mode in ("dejavu_captured_qkv_heads_pdl", "dejavu_captured_qkv_sel_pdl"):
+        assert bench._DEJAVU_MODES[mode] == bench._DEJAVU_MODES["dejavu_captured_qkv_pdl"]
     monkeypatch.setenv(lazy_kv.GRID_ENV, "heads")  # set outside: the mode says its own
     for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_lazy"):
         with bench.kernel_switches(mode):
