@@ -403,3 +403,52 @@ def test_graph_launch_study_checks_its_arguments_before_it_needs_a_gpu():
                for name, (layers, main, side, _) in study.shapes(40, 18, 3).items()}
     assert kernels["forked"] == kernels["chain long"] == 840 and kernels["chain"] == 720
     assert [pdl for *_, pdl in study.shapes(2, 2, 1).values()].count(True) == 3
+
+
+def test_race_study_finds_rows_written_one_position_away():
+    """``race_study``'s comparison: a cache row off the reference's is found at its position and
+    counted as holding the next position's row when it does; rows the run left zero (heads the
+    selector skipped) are not compared; logits off name their steps, counters their layers."""
+    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    gen = torch.Generator().manual_seed(0)
+    ref_k, ref_v = torch.randn(1, 3, 8, 4, generator=gen), torch.randn(1, 3, 8, 4, generator=gen)
+    k, v = ref_k.clone(), ref_v.clone()
+    k[0, 1, 5] = ref_k[0, 1, 6]  # a step wrote the next position's key at 5
+    v[0, 2, 6:] = 0  # a head the selector skipped: its new rows zero
+    logits = torch.randn(4, 16, generator=gen)
+    run_logits = logits.clone()
+    run_logits[2, 3] += 1.0
+    found = study.compare((run_logits, [(k, v)], [7]), (logits, [(ref_k, ref_v)], [8]))
+    assert found["steps"] == [2] and found["counters"] == [0]
+    assert found["cache"][0]["keys"] == {"positions": [5], "previous": 0, "next": 1}
+    assert found["cache"][0]["values"]["positions"] == []
+    assert "1 of 4 steps off (first 2)" in study.describe(found, 4)
+    assert "layer 0 keys off at [5] (0 rows hold the position before's, 1 the one after's)" \
+        in study.describe(found, 4)
+    same = study.compare((logits, [(ref_k, ref_v)], [8]), (logits, [(ref_k, ref_v)], [8]))
+    assert same == {"steps": [], "max": 0.0, "cache": {}, "counters": []}
+
+
+def test_race_study_lazy_step_matches_dense_kv_on_the_cpu():
+    """``race_study`` on a tiny OPT on the CPU (the reference ops, compiled by Inductor): the
+    uncaptured lazy K/V step gives the logits, cache rows and counters of the step with dense
+    K/V, and the its arguments are checked before anything is built."""
+    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    model = study.small_opt(2, 32, 4, "cpu")
+    tokens = torch.randint(0, 512, (1, study.PROMPT + 3),
+                           generator=torch.Generator().manual_seed(1))
+    ref = study.decode(model, study.compiled(model, {**study.OPTIONS, "lazy_kv": False,
+                                                     "fuse_qkv": False}), tokens, 3)
+    run = study.decode(model, study.compiled(model, {**study.OPTIONS, "fuse_qkv": True}),
+                       tokens, 3)
+    assert run[2] == ref[2] == [study.PROMPT + 3] * 2
+    found = study.compare(run, ref, tol=1e-4)
+    assert found["steps"] == [] and found["cache"] == {} and found["counters"] == []
+    assert found["max"] < 1e-4
+    # the lazy op wrote zeros for the heads it skipped: half of them at each new position
+    keys = run[1][0][0][0, :, study.PROMPT:study.PROMPT + 3]
+    assert (keys.abs().amax(-1) == 0).sum().item() == 2 * 3
+    with pytest.raises(SystemExit, match="--heads 3"):
+        study.main(["--heads", "3"])
+    with pytest.raises(SystemExit, match="--repeats"):
+        study.main(["--repeats", "0"])

@@ -515,6 +515,41 @@ def test_multi_kernel_in_the_captured_lazy_step():
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["kv", "qkv"])
+def test_uncaptured_lazy_step_matches_dense_kv(fuse):
+    """The lazy K/V step (the fixed selector at heads 0.5; with the query fused in or not) on
+    the small OPT of ``test_multi_kernel_in_the_captured_lazy_step``, compiled without graphs
+    and called step by step, under the bench's switches for its ``*_pdl`` mode (programmatic
+    launch on Hopper): in each of three runs, the logits of the step with dense K/V, to the
+    tolerance of fp16 sums added in another order. ``CapturedStep``'s first call with a cache
+    runs this way, and so do Inductor's CUDA graphs' first calls.
+
+    On an H200 at ``9b75269`` (forty-fourth session, BENCHMARKS.md) such runs were up to 0.88
+    apart (about 0.07 allowed) over either grid of the lazy kernel, while the captured replays
+    and the step without programmatic launch agreed to 0.004: ``examples/race_study.py`` takes
+    the suspects away one at a time."""
+    from dejavu_compile.bench import kernel_switches
+
+    model = _small_opt(4, hidden=2048)
+    tokens = torch.randint(0, 512, (1, 32 + 16), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(6))
+    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+            "fuse_qkv": fuse, "cudagraphs": False}
+    runs = {}
+    with kernel_switches("dejavu_captured_qkv_pdl" if fuse else "dejavu_captured_lazy_pdl"):
+        for lazy in (False, True):
+            torch._dynamo.reset()
+            fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                                options={**base, "lazy_kv": lazy})
+            _teacher_forced_logits(model, fwd, tokens, 16)  # compiles, tunes, re-lays out
+            runs[lazy] = [_teacher_forced_logits(model, fwd, tokens, 16)
+                          for _ in range(3 if lazy else 1)]
+    assert dejavu_compile.report(model).counters.get("lazy_kv", 0) >= 3
+    want = runs[False][0]
+    for got in runs[True]:
+        torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
 def _ranked_by_bias(profile_path) -> None:
     """Make every predictor of the profile at ``profile_path`` rank its units by its output
     bias alone: distinct small integers within each bucket, the output layer's weights scaled

@@ -1,0 +1,245 @@
+"""Where the lazy K/V step goes wrong when it runs outside a CUDA graph, on a GPU.
+
+Found in the forty-fourth session (BENCHMARKS.md): on an H200, a small OPT (4 layers, d 2048,
+16 heads, the fixed selector at heads 0.5, option ``lazy_kv``) compiled by dejavu and called
+step by step without a capture gave logits up to 0.88 away from the same step with dense K/V
+(cosine down to 0.961 over 16 steps), under programmatic launch, the default on Hopper. With
+programmatic launch off (``DEJAVU_PDL=0``), and in ``CapturedStep``'s replays, the two stayed
+within 0.004. ``CapturedStep`` runs its first call with a cache uncaptured, which is how
+``tests/test_gpu.py::test_multi_kernel_in_the_captured_lazy_step`` came to fail. The step
+with dense K/V was right either way.
+
+This study runs that step uncaptured against the step with dense K/V (the reference, compiled
+from the same model), under variants that each take one suspect away:
+
+- ``as is``;
+- ``sync before``: the GPU synchronised before each lazy K/V launch, so everything before it
+  has finished;
+- ``sync after``: synchronised after each, so nothing after it starts before it has finished;
+- ``lazy plain``: the lazy K/V kernel launched without programmatic launch;
+- ``lazy unsplit``: the lazy K/V kernel in one program over d per tile (no atomics, no finish
+  by a tile's last program);
+- ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
+  uncaptured, the others replay the capture);
+- ``inductor plain`` (compiled again, after the others): Inductor's own kernels launched
+  without programmatic launch (option ``inductor_pdl`` off).
+
+Each runs ``--repeats`` times. A line per run: the steps whose logits are off (more than
+``TOL`` of the reference's largest), the first of them, and per layer the cache positions
+whose keys or values are off, and how many of those hold the reference's row of the position
+before or after (a step that wrote its row one position away); and the layers whose position
+counter (Hugging Face's ``cumulative_length``) is not where the run left it.
+
+Run on a CUDA machine: ``TRITON_INTERPRET=0 python examples/race_study.py`` (``--fuse-qkv``
+for the lazy op with the query, as in the default step). On CPU it makes the same comparison
+through the reference ops, ``as is`` and ``captured`` only (``CapturedStep`` runs the step
+as it is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import torch
+
+import dejavu_compile
+from dejavu_compile import bench
+
+# the failing test's step: the first k heads, a quarter of the neurons, no graphs of Inductor's
+OPTIONS = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+           "lazy_kv": True, "cudagraphs": False}
+PROMPT = 32
+TOL = 2e-2  # of the reference's largest logit (or cache value)
+
+
+def small_opt(layers: int, hidden: int, heads: int, device: str) -> torch.nn.Module:
+    """A random OPT (fp16 on a GPU, fp32 on CPU) with random biases, so a dropped one shows."""
+    import transformers as tf
+
+    cfg = tf.OPTConfig(vocab_size=512, hidden_size=hidden, ffn_dim=4 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       word_embed_proj_dim=hidden, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = tf.OPTForCausalLM(cfg).to(device, dtype).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear) and mod.bias is not None:
+                mod.bias.normal_(0, 0.05)
+    return model
+
+
+def compiled(model: torch.nn.Module, options: dict) -> Callable:
+    torch._dynamo.reset()
+    return torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+
+
+def decode(model: torch.nn.Module, forward: Callable, tokens: torch.Tensor, steps: int
+           ) -> tuple[torch.Tensor, list, list[int]]:
+    """``steps`` teacher-forced decode steps of ``forward`` after an eager prefill of the rest
+    of ``tokens`` [1, P + steps], each called on its own (no capture): the logits [steps,
+    vocab], each layer's (keys, values) after the last step, and each layer's position
+    counter."""
+    prompt = tokens.shape[1] - steps
+    cache, mask = bench._prefilled(model, tokens[:, :prompt], tokens.shape[1] + 1)
+    out = []
+    with torch.no_grad():
+        for i in range(steps):
+            pos = torch.tensor([prompt + i], device=tokens.device)
+            logits = forward(input_ids=tokens[:, prompt + i: prompt + i + 1],
+                             past_key_values=cache, cache_position=pos, position_ids=pos[None],
+                             attention_mask=mask, use_cache=True).logits
+            out.append(logits[:, -1].float().clone())
+    kv = [(layer.keys.float().clone(), layer.values.float().clone()) for layer in cache.layers]
+    counters = [int(layer.cumulative_length) for layer in cache.layers]
+    return torch.cat(out), kv, counters
+
+
+def _cache_off(run: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
+    """Where one layer's keys (or values) [B, H, L, hd] of a run are off the reference's:
+    the positions, and how many of the rows off hold the reference's row of the position
+    before or after. Rows the run left zero (heads the selector skipped) are not compared."""
+    limit = tol * ref.abs().max().item()
+    written = run.abs().amax(-1) > 0
+    off = written & ((run - ref).abs().amax(-1) > limit)
+    rows = off.nonzero().tolist()
+
+    def holds(b: int, h: int, p: int, q: int) -> bool:
+        return 0 <= q < ref.shape[2] and bool((run[b, h, p] - ref[b, h, q]).abs().max() <= limit)
+
+    return {"positions": sorted({p for _, _, p in rows}),
+            "previous": sum(holds(b, h, p, p - 1) for b, h, p in rows),
+            "next": sum(holds(b, h, p, p + 1) for b, h, p in rows)}
+
+
+def compare(run: tuple, ref: tuple, tol: float = TOL) -> dict:
+    """A run of ``decode`` against the reference's: the steps whose logits are off and the
+    largest difference, each layer's keys and values off (``_cache_off``, only layers with
+    any), and the layers whose counter differs from the reference's."""
+    logits, kv, counters = run
+    ref_logits, ref_kv, ref_counters = ref
+    err = (logits - ref_logits).abs().amax(-1)
+    caches = {}
+    for layer, ((k, v), (rk, rv)) in enumerate(zip(kv, ref_kv, strict=True)):
+        found = {name: _cache_off(a, r, tol) for name, a, r in (("keys", k, rk),
+                                                                 ("values", v, rv))}
+        if any(f["positions"] for f in found.values()):
+            caches[layer] = found
+    return {"steps": (err > tol * ref_logits.abs().max()).nonzero().flatten().tolist(),
+            "max": err.max().item(), "cache": caches,
+            "counters": [layer for layer, (a, b) in enumerate(zip(counters, ref_counters,
+                                                                strict=True))
+                         if a != b]}
+
+
+def describe(found: dict, steps: int) -> str:
+    """One line for ``compare``'s result."""
+    wrong = found["steps"]
+    text = (f"{len(wrong)} of {steps} steps off" + (f" (first {wrong[0]})" if wrong else "")
+            + f", logits max {found['max']:.4f}")
+    for layer, parts in found["cache"].items():
+        for name, f in parts.items():
+            if f["positions"]:
+                text += (f"; layer {layer} {name} off at {f['positions']} ({f['previous']} "
+                         f"rows hold the position before's, {f['next']} the one after's)")
+    if found["counters"]:
+        text += f"; counters off in layers {found['counters']}"
+    return text
+
+
+@contextlib.contextmanager
+def _synced(before: bool) -> Iterator[None]:
+    """Each lazy K/V launch with the GPU synchronised before it (``before``) or after it."""
+    from dejavu_compile.kernels import lazy_kv
+
+    launch = lazy_kv._launch
+
+    def synced(*args):
+        if before:
+            torch.cuda.synchronize()
+        launch(*args)
+        if not before:
+            torch.cuda.synchronize()
+
+    with mock.patch.object(lazy_kv, "_launch", synced):
+        yield
+
+
+def _unsplit(n: int, config: dict | None = None) -> dict:
+    from dejavu_compile.kernels import lazy_kv
+
+    return lazy_kv.PREFILL_FIXED if n > 1 else (config or lazy_kv.DETERMINISTIC_FIXED)
+
+
+def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """The study's variants of one compiled step (see the module docstring), by name."""
+    from dejavu_compile.kernels import lazy_kv
+
+    return {"as is": contextlib.nullcontext,
+            "sync before": lambda: _synced(True),
+            "sync after": lambda: _synced(False),
+            "lazy plain": lambda: mock.patch.object(lazy_kv, "pdl_meta",
+                                                    lambda: {"PDL": False}),
+            "lazy unsplit": lambda: mock.patch.object(lazy_kv, "step_config", _unsplit)}
+
+
+# variants compiled again: their options over the study's
+COMPILED = {"inductor plain": {"inductor_pdl": False}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=6)
+    p.add_argument("--fuse-qkv", action="store_true",
+                   help="the lazy op with the query (option fuse_qkv), as in the default step")
+    args = p.parse_args(argv)
+    for name in ("layers", "hidden", "heads", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.hidden % args.heads:
+        raise SystemExit(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = small_opt(args.layers, args.hidden, args.heads, device)
+    tokens = torch.randint(0, 512, (1, PROMPT + args.steps),
+                           generator=torch.Generator().manual_seed(args.seed)).to(device)
+    options = {**OPTIONS, "fuse_qkv": args.fuse_qkv}
+    mode = "dejavu_captured_qkv_pdl" if args.fuse_qkv else "dejavu_captured_lazy_pdl"
+    print(f"OPT {args.layers} layers, d {args.hidden}, {args.heads} heads, {args.steps} steps "
+          f"uncaptured after a {PROMPT}-token prefill; lazy K/V "
+          f"{'with' if args.fuse_qkv else 'without'} the query against dense K/V", flush=True)
+    with bench.kernel_switches(mode) if cuda else contextlib.nullcontext():
+        ref = decode(model, compiled(model, {**options, "lazy_kv": False}), tokens, args.steps)
+        print("reference (dense K/V) against itself, a second run: "
+              + describe(compare(decode(model, compiled(model, {**options, "lazy_kv": False}),
+                                        tokens, args.steps), ref), args.steps), flush=True)
+        forward = compiled(model, options)
+        decode(model, forward, tokens, args.steps)  # compiles and tunes
+        chosen = variants() if cuda else {"as is": contextlib.nullcontext}
+        for name, variant in chosen.items():
+            with variant():
+                for r in range(args.repeats):
+                    found = compare(decode(model, forward, tokens, args.steps), ref)
+                    print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
+        step = dejavu_compile.CapturedStep(forward)
+        for r in range(args.repeats):
+            found = compare(decode(model, step, tokens, args.steps), ref)
+            print(f"  {'captured':14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
+        for name, extra in (COMPILED if cuda else {}).items():
+            forward = compiled(model, {**options, **extra})
+            decode(model, forward, tokens, args.steps)
+            for r in range(args.repeats):
+                found = compare(decode(model, forward, tokens, args.steps), ref)
+                print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
