@@ -22,7 +22,14 @@ from the same model), under variants that each take one suspect away:
 - ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
   uncaptured, the others replay the capture);
 - ``inductor plain`` (compiled again, after the others): Inductor's own kernels launched
-  without programmatic launch (option ``inductor_pdl`` off).
+  without programmatic launch (option ``inductor_pdl`` off);
+- ``inductor waits`` (compiled again): Inductor's kernels launched programmatically, but each
+  compiled to wait before its first load (this PyTorch's codegen patched for the compile).
+  Inductor waits before a load only when the kernel it scheduled just before writes the
+  buffer: in the lazy step's code the kernel that computes layer 0's cache position and
+  advances its counter loads the counter before its wait, but so do four kernels of the
+  step with dense K/V (its cache writes, counters and masks), which was right
+  (``early_loads`` lists such kernels for each compile).
 
 Each runs ``--repeats`` times. A line per run: the steps whose logits are off (more than
 ``TOL`` of the reference's largest), the first of them, and per layer the cache positions
@@ -40,10 +47,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import dejavu_compile
 from dejavu_compile import bench
@@ -73,8 +82,15 @@ def small_opt(layers: int, hidden: int, heads: int, device: str) -> torch.nn.Mod
 
 
 def compiled(model: torch.nn.Module, options: dict) -> Callable:
+    """``model.forward`` compiled by dejavu with ``options`` (Dynamo reset first); it compiles
+    at its first call, which should run inside ``no_cache()``: a patched codegen is not in the
+    key of Inductor's FX graph cache."""
     torch._dynamo.reset()
     return torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+
+
+def no_cache():
+    return torch._inductor.config.patch(fx_graph_cache=False)
 
 
 def decode(model: torch.nn.Module, forward: Callable, tokens: torch.Tensor, steps: int
@@ -186,8 +202,47 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             "lazy unsplit": lambda: mock.patch.object(lazy_kv, "step_config", _unsplit)}
 
 
-# variants compiled again: their options over the study's
-COMPILED = {"inductor plain": {"inductor_pdl": False}}
+def early_loads(codes: list[str]) -> list[str]:
+    """The Triton kernels in Inductor's ``codes`` (``run_and_get_code``'s) that load before
+    their ``gdc_wait``: under programmatic launch Inductor waits before a load only when the
+    kernel it scheduled just before writes that buffer
+    (``TritonKernel._handle_pdl_before_access``), so such a load may run while that kernel
+    does."""
+    found = []
+    for code in codes:
+        for match in re.finditer(r"def (triton_\w+)\(.*?\n(.*?)(?='''|\Z)", code, re.S):
+            body = match.group(2)
+            wait, load = body.find("gdc_wait"), body.find("tl.load")
+            if 0 <= load < wait and match.group(1) not in found:
+                found.append(match.group(1))
+    return found
+
+
+@contextlib.contextmanager
+def _inductor_waits_first() -> Iterator[None]:
+    """Inductor's Triton kernels compiled with their ``gdc_wait`` before their first load or
+    store, whatever the kernel before writes (this PyTorch's codegen, patched while inside)."""
+    from torch._inductor.codegen import triton as codegen
+
+    kernel = codegen.TritonKernel
+    if not hasattr(kernel, "_handle_pdl_before_access"):
+        raise RuntimeError("this PyTorch's Inductor has no "
+                           "TritonKernel._handle_pdl_before_access to patch")
+
+    def wait_first(self, wait_buffer, *dependencies, consider_reads=False):
+        if not self._enable_pdl_codegen():
+            return
+        if self.inside_reduction and self.range_trees[-1].is_loop:
+            wait_buffer = self.body  # before the loop, where Inductor puts it too
+        wait_buffer.writeline(self.GDC_WAIT)
+
+    with mock.patch.object(kernel, "_handle_pdl_before_access", wait_first):
+        yield
+
+
+# variants compiled again: their options over the study's, and what their compile runs inside
+COMPILED = {"inductor plain": ({"inductor_pdl": False}, contextlib.nullcontext),
+            "inductor waits": ({}, _inductor_waits_first)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,13 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"OPT {args.layers} layers, d {args.hidden}, {args.heads} heads, {args.steps} steps "
           f"uncaptured after a {PROMPT}-token prefill; lazy K/V "
           f"{'with' if args.fuse_qkv else 'without'} the query against dense K/V", flush=True)
-    with bench.kernel_switches(mode) if cuda else contextlib.nullcontext():
+    with bench.kernel_switches(mode) if cuda else contextlib.nullcontext(), no_cache():
         ref = decode(model, compiled(model, {**options, "lazy_kv": False}), tokens, args.steps)
         print("reference (dense K/V) against itself, a second run: "
               + describe(compare(decode(model, compiled(model, {**options, "lazy_kv": False}),
                                         tokens, args.steps), ref), args.steps), flush=True)
         forward = compiled(model, options)
-        decode(model, forward, tokens, args.steps)  # compiles and tunes
+        _, codes = run_and_get_code(decode, model, forward, tokens, args.steps)  # compiles, tunes
+        print(f"Inductor's kernels that load before their wait: {early_loads(codes) or 'none'}",
+              flush=True)
         chosen = variants() if cuda else {"as is": contextlib.nullcontext}
         for name, variant in chosen.items():
             with variant():
@@ -233,12 +290,16 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.repeats):
             found = compare(decode(model, step, tokens, args.steps), ref)
             print(f"  {'captured':14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
-        for name, extra in (COMPILED if cuda else {}).items():
-            forward = compiled(model, {**options, **extra})
-            decode(model, forward, tokens, args.steps)
-            for r in range(args.repeats):
-                found = compare(decode(model, forward, tokens, args.steps), ref)
-                print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
+        for name, (extra, inside) in (COMPILED if cuda else {}).items():
+            with inside():
+                forward = compiled(model, {**options, **extra})
+                _, codes = run_and_get_code(decode, model, forward, tokens, args.steps)
+                print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}",
+                      flush=True)
+                for r in range(args.repeats):
+                    found = compare(decode(model, forward, tokens, args.steps), ref)
+                    print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}",
+                          flush=True)
 
 
 if __name__ == "__main__":

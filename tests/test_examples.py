@@ -452,3 +452,45 @@ def test_race_study_lazy_step_matches_dense_kv_on_the_cpu():
         study.main(["--heads", "3"])
     with pytest.raises(SystemExit, match="--repeats"):
         study.main(["--repeats", "0"])
+
+
+# two kernels as Inductor's code holds them (their source inside triple single quotes)
+_KERNELS = """
+x = async_compile.triton('triton_poi_early', '''
+@triton.jit
+def triton_poi_early(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tmp0 = tl.load(in_ptr0 + (0))
+    tl.extra.cuda.gdc_wait()
+    tl.store(out_ptr0 + (0), tmp0 + 1, None)
+''', device_str='cuda')
+y = async_compile.triton('triton_poi_late', '''
+@triton.jit
+def triton_poi_late(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tl.extra.cuda.gdc_wait()
+    tmp0 = tl.load(in_ptr0 + (0))
+    tl.store(out_ptr0 + (0), tmp0, None)
+''', device_str='cuda')
+"""
+
+
+def test_race_study_lists_the_kernels_that_load_before_their_wait():
+    """``race_study.early_loads`` names a kernel of Inductor's code whose first load comes
+    before its ``gdc_wait`` and not one that waits first; the ``inductor waits`` variant's
+    codegen writes the wait whatever the kernel before writes, and only while inside."""
+    from types import SimpleNamespace
+
+    from torch._inductor.codegen import triton as codegen
+
+    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    assert study.early_loads([_KERNELS]) == ["triton_poi_early"]
+    assert study.early_loads([_KERNELS.split("y = ")[1]]) == []
+    lines = []
+    kernel = SimpleNamespace(_enable_pdl_codegen=lambda: True, inside_reduction=False,
+                             GDC_WAIT=codegen.TritonKernel.GDC_WAIT)
+    before = codegen.TritonKernel._handle_pdl_before_access
+    _, inside = study.COMPILED["inductor waits"]
+    with inside():
+        handle = codegen.TritonKernel._handle_pdl_before_access
+        handle(kernel, SimpleNamespace(writeline=lines.append), "buf0")
+    assert lines == [codegen.TritonKernel.GDC_WAIT]
+    assert codegen.TritonKernel._handle_pdl_before_access is before
