@@ -19,6 +19,9 @@ from the same model), under variants that each take one suspect away:
 - ``lazy plain``: the lazy K/V kernel launched without programmatic launch;
 - ``lazy unsplit``: the lazy K/V kernel in one program over d per tile (no atomics, no finish
   by a tile's last program);
+- ``heads grid``: the lazy K/V kernel's programs over every head, not the selection's slots;
+- ``dejavu plain``: every dejavu kernel launched without programmatic launch, Inductor's
+  kernels as compiled (programmatically);
 - ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
   uncaptured, the others replay the capture);
 - ``inductor plain`` (compiled again, after the others): Inductor's own kernels launched
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -184,6 +188,18 @@ def _synced(before: bool) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _dejavu_plain() -> Iterator[None]:
+    """Every dejavu kernel launched without programmatic launch (each module's ``pdl_meta``),
+    Inductor's kernels as compiled (programmatically)."""
+    from dejavu_compile.kernels import bucket_select, decode_attention, lazy_kv, triton_common
+
+    with contextlib.ExitStack() as stack:
+        for module in (bucket_select, decode_attention, lazy_kv, triton_common):
+            stack.enter_context(mock.patch.object(module, "pdl_meta", lambda: {"PDL": False}))
+        yield
+
+
 def _unsplit(n: int, config: dict | None = None) -> dict:
     from dejavu_compile.kernels import lazy_kv
 
@@ -199,7 +215,9 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             "sync after": lambda: _synced(False),
             "lazy plain": lambda: mock.patch.object(lazy_kv, "pdl_meta",
                                                     lambda: {"PDL": False}),
-            "lazy unsplit": lambda: mock.patch.object(lazy_kv, "step_config", _unsplit)}
+            "lazy unsplit": lambda: mock.patch.object(lazy_kv, "step_config", _unsplit),
+            "heads grid": lambda: mock.patch.dict(os.environ, {lazy_kv.GRID_ENV: "heads"}),
+            "dejavu plain": _dejavu_plain}
 
 
 def early_loads(codes: list[str]) -> list[str]:

@@ -494,3 +494,34 @@ def test_race_study_lists_the_kernels_that_load_before_their_wait():
         handle(kernel, SimpleNamespace(writeline=lines.append), "buf0")
     assert lines == [codegen.TritonKernel.GDC_WAIT]
     assert codegen.TritonKernel._handle_pdl_before_access is before
+
+
+def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
+    """``race_study.variants``: inside each, what it names is changed (the lazy launch wrapped,
+    the lazy kernel's ``pdl_meta`` or ``step_config`` replaced, the heads grid chosen, every
+    dejavu module's ``pdl_meta`` plain), and on leaving everything is as before."""
+    import os
+
+    from dejavu_compile.kernels import bucket_select, decode_attention, lazy_kv, triton_common
+
+    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    modules = (bucket_select, decode_attention, lazy_kv, triton_common)
+    before = ([m.pdl_meta for m in modules], lazy_kv._launch, lazy_kv.step_config,
+              os.environ.get(lazy_kv.GRID_ENV))
+    changed = {}
+    for name, variant in study.variants().items():
+        with variant():
+            changed[name] = ([m.pdl_meta for m in modules], lazy_kv._launch,
+                             lazy_kv.step_config, lazy_kv.default_grid())
+            if name == "dejavu plain":
+                assert all(m.pdl_meta() == {"PDL": False} for m in modules)
+            if name == "lazy unsplit":
+                assert lazy_kv.step_config(1)["SPLIT"] == 1
+                assert lazy_kv.step_config(5) == lazy_kv.PREFILL_FIXED
+        assert ([m.pdl_meta for m in modules], lazy_kv._launch, lazy_kv.step_config,
+                os.environ.get(lazy_kv.GRID_ENV)) == before, name
+    assert changed["as is"][:3] == before[:3] and changed["as is"][3] == lazy_kv.GRIDS[0]
+    assert changed["sync before"][1] is not before[1] and changed["sync after"][1] is not before[1]
+    assert changed["lazy plain"][0][2] is not before[0][2]
+    assert changed["lazy plain"][0][:2] == before[0][:2]
+    assert changed["heads grid"][3] == "heads"
