@@ -294,20 +294,24 @@ def main(argv: list[str] | None = None) -> None:
         print("reference (dense K/V) against itself, a second run: "
               + describe(compare(decode(model, compiled(model, {**options, "lazy_kv": False}),
                                         tokens, args.steps), ref), args.steps), flush=True)
+
+        def warm(name: str, forward: Callable) -> None:
+            """One run that compiles and tunes, and the kernels that load before their wait."""
+            _, codes = run_and_get_code(decode, model, forward, tokens, args.steps)
+            print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}",
+                  flush=True)
+
+        def runs(name: str, forward: Callable) -> None:
+            for r in range(args.repeats):
+                found = compare(decode(model, forward, tokens, args.steps), ref)
+                print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
+
         forward = compiled(model, options)
-        _, codes = run_and_get_code(decode, model, forward, tokens, args.steps)  # compiles, tunes
-        print(f"Inductor's kernels that load before their wait: {early_loads(codes) or 'none'}",
-              flush=True)
-        chosen = variants() if cuda else {"as is": contextlib.nullcontext}
-        for name, variant in chosen.items():
+        warm("as compiled", forward)
+        for name, variant in (variants() if cuda else {"as is": contextlib.nullcontext}).items():
             with variant():
-                for r in range(args.repeats):
-                    found = compare(decode(model, forward, tokens, args.steps), ref)
-                    print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
-        step = dejavu_compile.CapturedStep(forward)
-        for r in range(args.repeats):
-            found = compare(decode(model, step, tokens, args.steps), ref)
-            print(f"  {'captured':14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
+                runs(name, forward)
+        runs("captured", dejavu_compile.CapturedStep(forward))
         for name, (extra, inside) in (COMPILED if cuda else {}).items():
             with contextlib.ExitStack() as stack:
                 try:
@@ -316,13 +320,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"  {name:14s} skipped: {e}", flush=True)
                     continue
                 forward = compiled(model, {**options, **extra})
-                _, codes = run_and_get_code(decode, model, forward, tokens, args.steps)
-                print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}",
-                      flush=True)
-                for r in range(args.repeats):
-                    found = compare(decode(model, forward, tokens, args.steps), ref)
-                    print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}",
-                          flush=True)
+                warm(name, forward)
+                runs(name, forward)
 
 
 if __name__ == "__main__":
