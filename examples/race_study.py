@@ -200,6 +200,37 @@ def _dejavu_plain() -> Iterator[None]:
         yield
 
 
+# the dejavu kernels by the op they serve, for the variants that launch one group plainly
+GROUPS = {"mlp": ("_up_kernel", "_down_kernel", "_up_union_kernel", "_down_union_kernel",
+                  "_up_store_kernel"),
+          "projection": ("_head_proj_kernel", "_head_proj_store_kernel",
+                         "_head_proj_union_kernel", "_gemv_kernel"),
+          "output": ("_head_out_kernel", "_head_out_cols_kernel", "_head_out_union_kernel"),
+          "attention": ("_split_kernel", "_combine_kernel"),
+          "norm": ("_add_norm_kernel", "_finish_kernel"),
+          "selector": ("_hidden_kernel", "_bucket_kernel"),
+          "lazy": ("_lazy_kv_kernel", "_decode_kernel")}
+
+
+@contextlib.contextmanager
+def _plain(names: tuple[str, ...]) -> Iterator[None]:
+    """The Triton kernels named ``names`` launched without programmatic launch (``PDL`` false,
+    no ``launch_pdl``), every other kernel as it was: Triton's ``JITFunction.run`` patched,
+    which every launch of a ``triton.jit`` kernel, autotuned or not, goes through."""
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+
+    def plain(self, *args, grid, warmup, **kwargs):
+        if self.fn.__name__ in names and "PDL" in self.arg_names:
+            kwargs = {**kwargs, "PDL": False}
+            kwargs.pop("launch_pdl", None)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    with mock.patch.object(JITFunction, "run", plain):
+        yield
+
+
 def _unsplit(n: int, config: dict | None = None) -> dict:
     from dejavu_compile.kernels import lazy_kv
 
@@ -217,7 +248,11 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
                                                     lambda: {"PDL": False}),
             "lazy unsplit": lambda: mock.patch.object(lazy_kv, "step_config", _unsplit),
             "heads grid": lambda: mock.patch.dict(os.environ, {lazy_kv.GRID_ENV: "heads"}),
-            "dejavu plain": _dejavu_plain}
+            "dejavu plain": _dejavu_plain,
+            **{f"{group} plain": (lambda names=names: _plain(names))
+               for group, names in GROUPS.items() if group != "lazy"},
+            "others plain": lambda: _plain(tuple(n for group, names in GROUPS.items()
+                                                 if group != "lazy" for n in names))}
 
 
 def early_loads(codes: list[str]) -> list[str]:
@@ -273,7 +308,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=6)
     p.add_argument("--fuse-qkv", action="store_true",
                    help="the lazy op with the query (option fuse_qkv), as in the default step")
+    p.add_argument("--only", default="",
+                   help="comma-separated names of the variants to run (default: all of them)")
     args = p.parse_args(argv)
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    known = {"dense as is", "captured", *variants(), *COMPILED}
+    if only - known:
+        raise SystemExit(f"--only: no variant {sorted(only - known)}; the variants are "
+                         f"{sorted(known)}")
+
+    def wanted(name: str) -> bool:
+        return not only or name in only
     for name in ("layers", "hidden", "heads", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -289,11 +334,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"OPT {args.layers} layers, d {args.hidden}, {args.heads} heads, {args.steps} steps "
           f"uncaptured after a {PROMPT}-token prefill; lazy K/V "
           f"{'with' if args.fuse_qkv else 'without'} the query against dense K/V", flush=True)
+    dense = {**options, "lazy_kv": False}
     with bench.kernel_switches(mode) if cuda else contextlib.nullcontext(), no_cache():
-        ref = decode(model, compiled(model, {**options, "lazy_kv": False}), tokens, args.steps)
-        print("reference (dense K/V) against itself, a second run: "
-              + describe(compare(decode(model, compiled(model, {**options, "lazy_kv": False}),
-                                        tokens, args.steps), ref), args.steps), flush=True)
+        # the reference: the step with dense K/V, no kernel launched programmatically
+        with _dejavu_plain() if cuda else contextlib.nullcontext():
+            plain = {**dense, "inductor_pdl": False} if cuda else dense
+            ref = decode(model, compiled(model, plain), tokens, args.steps)
+            print("reference (dense K/V, no programmatic launch) against itself, compiled "
+                  "again: " + describe(compare(decode(model, compiled(model, plain), tokens,
+                                                      args.steps), ref), args.steps),
+                  flush=True)
 
         def warm(name: str, forward: Callable) -> None:
             """One run that compiles and tunes, and the kernels that load before their wait."""
@@ -306,13 +356,19 @@ def main(argv: list[str] | None = None) -> None:
                 found = compare(decode(model, forward, tokens, args.steps), ref)
                 print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
 
+        if cuda and wanted("dense as is"):  # the step with dense K/V, as compiled
+            runs("dense as is", compiled(model, dense))
         forward = compiled(model, options)
         warm("as compiled", forward)
         for name, variant in (variants() if cuda else {"as is": contextlib.nullcontext}).items():
-            with variant():
-                runs(name, forward)
-        runs("captured", dejavu_compile.CapturedStep(forward))
+            if wanted(name):
+                with variant():
+                    runs(name, forward)
+        if wanted("captured"):
+            runs("captured", dejavu_compile.CapturedStep(forward))
         for name, (extra, inside) in (COMPILED if cuda else {}).items():
+            if not wanted(name):
+                continue
             with contextlib.ExitStack() as stack:
                 try:
                     stack.enter_context(inside())
