@@ -189,6 +189,26 @@ def _synced(before: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _add_norm_synced(before: bool) -> Iterator[None]:
+    """Each add-norm launch (``triton_common._launch_add_norm``, after a sparse op's sums or
+    output) with the GPU synchronised before it (``before``) or after it."""
+    from dejavu_compile.kernels import triton_common
+
+    launch = triton_common._launch_add_norm
+
+    def synced(*args, **kwargs):
+        if before:
+            torch.cuda.synchronize()
+        out = launch(*args, **kwargs)
+        if not before:
+            torch.cuda.synchronize()
+        return out
+
+    with mock.patch.object(triton_common, "_launch_add_norm", synced):
+        yield
+
+
+@contextlib.contextmanager
 def _dejavu_plain() -> Iterator[None]:
     """Every dejavu kernel launched without programmatic launch (each module's ``pdl_meta``),
     Inductor's kernels as compiled (programmatically)."""
@@ -239,7 +259,7 @@ def _unsplit(n: int, config: dict | None = None) -> dict:
 
 def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """The study's variants of one compiled step (see the module docstring), by name."""
-    from dejavu_compile.kernels import lazy_kv
+    from dejavu_compile.kernels import lazy_kv, triton_common
 
     return {"as is": contextlib.nullcontext,
             "sync before": lambda: _synced(True),
@@ -252,7 +272,12 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             **{f"{group} plain": (lambda names=names: _plain(names))
                for group, names in GROUPS.items() if group != "lazy"},
             "others plain": lambda: _plain(tuple(n for group, names in GROUPS.items()
-                                                 if group != "lazy" for n in names))}
+                                                 if group != "lazy" for n in names)),
+            **{f"{name} plain": (lambda name=name: _plain((f"_{name}_kernel",)))
+               for name in ("add_norm", "finish")},
+            "add_norm late": lambda: mock.patch.object(triton_common, "ADD_NORM_LATE", True),
+            "add_norm sync before": lambda: _add_norm_synced(True),
+            "add_norm sync after": lambda: _add_norm_synced(False)}
 
 
 def early_loads(codes: list[str]) -> list[str]:

@@ -435,7 +435,8 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
                      stride_y, stride_r, stride_h, stride_n,
                      HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                      SUMS: tl.constexpr = False, HAS_YB: tl.constexpr = False,
-                     CLEAN: tl.constexpr = False, RMS: tl.constexpr = False):
+                     CLEAN: tl.constexpr = False, RMS: tl.constexpr = False,
+                     LATE: tl.constexpr = False):
     # one program a row, the whole row in registers: the weight and biases load before the
     # wait (they are no kernel's output), the row after it, then no memory until the stores.
     # SUMS: y is a reducing kernel's fp32 sums, finished here as ``finish_last`` would (the
@@ -449,7 +450,7 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
         nb = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_YB:
         yb = tl.load(yb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    wait_inputs(PDL)
+    wait_inputs(PDL, LATE)  # LATE: the kernel after starts only once the rows are stored
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
     if SUMS:
@@ -474,6 +475,13 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
         if HAS_B:
             out += nb
     tl.store(n_ptr + row * stride_n + offs, out.to(n_ptr.dtype.element_ty), mask=mask)
+    if LATE:
+        start_dependents(PDL)
+
+
+# Whether the add-norm kernel lets the kernel after it start only after its stores, not right
+# after its wait (``race_study``'s variant ``add_norm late``, forty-fifth session)
+ADD_NORM_LATE = False
 
 
 def add_norm(y: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
@@ -506,7 +514,8 @@ def _launch_add_norm(rows, y_bias, res, w, norm_b, eps, shape, sums: bool = Fals
         normed, res.shape[1], float(eps),
         rows.stride(0), res.stride(0), h.stride(0), normed.stride(0),
         HAS_B=norm_b is not None, BLOCK=block, SUMS=sums, HAS_YB=y_bias is not None,
-        CLEAN=clean, RMS=rms, num_warps=min(16, max(1, block // 256)), **pdl_meta())
+        CLEAN=clean, RMS=rms, LATE=ADD_NORM_LATE, num_warps=min(16, max(1, block // 256)),
+        **pdl_meta())
     return h.reshape(shape), normed.reshape(shape)
 
 
