@@ -1,18 +1,24 @@
-"""Where the lazy K/V step goes wrong when it runs outside a CUDA graph, on a GPU.
+"""Where a dejavu step goes wrong when its kernels launch programmatically, on a GPU.
 
 Found in the forty-fourth session (BENCHMARKS.md): on an H200, a small OPT (4 layers, d 2048,
-16 heads, the fixed selector at heads 0.5, option ``lazy_kv``) compiled by dejavu and called
-step by step without a capture gave logits up to 0.88 away from the same step with dense K/V
-(cosine down to 0.961 over 16 steps), under programmatic launch, the default on Hopper. With
-programmatic launch off (``DEJAVU_PDL=0``), and in ``CapturedStep``'s replays, the two stayed
-within 0.004. ``CapturedStep`` runs its first call with a cache uncaptured, which is how
-``tests/test_gpu.py::test_multi_kernel_in_the_captured_lazy_step`` came to fail. The step
-with dense K/V was right either way.
+16 heads, the fixed selector at MLP 0.25 and heads 0.5, option ``lazy_kv``, no CUDA graphs)
+compiled by dejavu and called step by step without a capture gave logits up to 0.88 away from
+the same step with dense K/V, under programmatic launch, the default on Hopper.
 
-This study runs that step uncaptured against the step with dense K/V (the reference, compiled
-from the same model), under variants that each take one suspect away:
+In the forty-fifth session this study, against a reference with nothing launched
+programmatically, showed that the step with dense K/V went wrong too (4 of 8 runs), that a
+captured step could (1 of 8), and that every run was right (16 of 16) with the add-norm and
+finish kernels launched plainly and every other kernel programmatically, while launching any
+other group of dejavu kernels plainly, or the lazy kernel plainly, unsplit or over heads, or
+syncing around each lazy launch, left runs wrong. Those two kernels have launched plainly
+since (``triton_common.ADD_NORM_PDL`` and ``FINISH_PDL``); what goes wrong when they launch
+programmatically is not known.
 
-- ``as is``;
+The study runs the step uncaptured against the reference (the step with dense K/V compiled
+from the same model, Inductor's kernels and dejavu's launched plainly), under variants:
+
+- ``dense as is``: the step with dense K/V, as compiled;
+- ``as is``: the step (lazy K/V), as compiled;
 - ``sync before``: the GPU synchronised before each lazy K/V launch, so everything before it
   has finished;
 - ``sync after``: synchronised after each, so nothing after it starts before it has finished;
@@ -22,6 +28,15 @@ from the same model), under variants that each take one suspect away:
 - ``heads grid``: the lazy K/V kernel's programs over every head, not the selection's slots;
 - ``dejavu plain``: every dejavu kernel launched without programmatic launch, Inductor's
   kernels as compiled (programmatically);
+- ``mlp plain``, ``projection plain``, ``output plain``, ``attention plain``,
+  ``selector plain``: that group of dejavu kernels (``GROUPS``) launched plainly, every
+  other as it is;
+- ``others plain``: every dejavu kernel but the lazy one launched plainly;
+- ``add_norm programmatic``, ``finish programmatic``, ``norm programmatic``: the add-norm
+  kernel, the finish kernel or both launched programmatically again, as before the fix;
+  ``norm programmatic, sync before`` and ``... sync after``: both, with the GPU synchronised
+  before or after each add-norm launch (whether what goes wrong is before the kernel or
+  after it);
 - ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
   uncaptured, the others replay the capture);
 - ``inductor plain`` (compiled again, after the others): Inductor's own kernels launched
@@ -29,16 +44,14 @@ from the same model), under variants that each take one suspect away:
 - ``inductor waits`` (compiled again): Inductor's kernels launched programmatically, but each
   compiled to wait before its first load (this PyTorch's codegen patched for the compile).
   Inductor waits before a load only when the kernel it scheduled just before writes the
-  buffer: in the lazy step's code the kernel that computes layer 0's cache position and
-  advances its counter loads the counter before its wait, but so do four kernels of the
-  step with dense K/V (its cache writes, counters and masks), which was right
-  (``early_loads`` lists such kernels for each compile).
+  buffer (``early_loads`` lists the kernels that load before their wait, for each compile).
 
-Each runs ``--repeats`` times. A line per run: the steps whose logits are off (more than
-``TOL`` of the reference's largest), the first of them, and per layer the cache positions
-whose keys or values are off, and how many of those hold the reference's row of the position
-before or after (a step that wrote its row one position away); and the layers whose position
-counter (Hugging Face's ``cumulative_length``) is not where the run left it.
+Each runs ``--repeats`` times (``--only`` picks variants). A line per run: the steps whose
+logits are off (more than ``TOL`` of the reference's largest), the first of them, and per
+layer the cache positions whose keys or values are off, and how many of those hold the
+reference's row of the position before or after (a step that wrote its row one position
+away); and the layers whose position counter (Hugging Face's ``cumulative_length``) is not
+where the run left it.
 
 Run on a CUDA machine: ``TRITON_INTERPRET=0 python examples/race_study.py`` (``--fuse-qkv``
 for the lazy op with the query, as in the default step). On CPU it makes the same comparison
@@ -189,22 +202,30 @@ def _synced(before: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _add_norm_synced(before: bool) -> Iterator[None]:
-    """Each add-norm launch (``triton_common._launch_add_norm``, after a sparse op's sums or
-    output) with the GPU synchronised before it (``before``) or after it."""
+def _norm_programmatic(add_norm: bool, finish: bool, sync_before: bool | None = None
+                       ) -> Iterator[None]:
+    """The add-norm kernel (``add_norm``) and the finish kernel (``finish``) launched
+    programmatically, as every kernel was before the forty-fifth session's fix
+    (``triton_common.ADD_NORM_PDL`` and ``FINISH_PDL``); with ``sync_before`` true or false,
+    the GPU synchronised before or after each add-norm launch
+    (``triton_common._launch_add_norm``)."""
     from dejavu_compile.kernels import triton_common
 
     launch = triton_common._launch_add_norm
 
     def synced(*args, **kwargs):
-        if before:
+        if sync_before:
             torch.cuda.synchronize()
         out = launch(*args, **kwargs)
-        if not before:
+        if not sync_before:
             torch.cuda.synchronize()
         return out
 
-    with mock.patch.object(triton_common, "_launch_add_norm", synced):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(triton_common, "ADD_NORM_PDL", add_norm))
+        stack.enter_context(mock.patch.object(triton_common, "FINISH_PDL", finish))
+        if sync_before is not None:
+            stack.enter_context(mock.patch.object(triton_common, "_launch_add_norm", synced))
         yield
 
 
@@ -259,7 +280,7 @@ def _unsplit(n: int, config: dict | None = None) -> dict:
 
 def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """The study's variants of one compiled step (see the module docstring), by name."""
-    from dejavu_compile.kernels import lazy_kv, triton_common
+    from dejavu_compile.kernels import lazy_kv
 
     return {"as is": contextlib.nullcontext,
             "sync before": lambda: _synced(True),
@@ -270,14 +291,14 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             "heads grid": lambda: mock.patch.dict(os.environ, {lazy_kv.GRID_ENV: "heads"}),
             "dejavu plain": _dejavu_plain,
             **{f"{group} plain": (lambda names=names: _plain(names))
-               for group, names in GROUPS.items() if group != "lazy"},
+               for group, names in GROUPS.items() if group not in ("lazy", "norm")},
             "others plain": lambda: _plain(tuple(n for group, names in GROUPS.items()
                                                  if group != "lazy" for n in names)),
-            **{f"{name} plain": (lambda name=name: _plain((f"_{name}_kernel",)))
-               for name in ("add_norm", "finish")},
-            "add_norm late": lambda: mock.patch.object(triton_common, "ADD_NORM_LATE", True),
-            "add_norm sync before": lambda: _add_norm_synced(True),
-            "add_norm sync after": lambda: _add_norm_synced(False)}
+            "add_norm programmatic": lambda: _norm_programmatic(True, False),
+            "finish programmatic": lambda: _norm_programmatic(False, True),
+            "norm programmatic": lambda: _norm_programmatic(True, True),
+            "norm programmatic, sync before": lambda: _norm_programmatic(True, True, True),
+            "norm programmatic, sync after": lambda: _norm_programmatic(True, True, False)}
 
 
 def early_loads(codes: list[str]) -> list[str]:

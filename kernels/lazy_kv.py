@@ -46,7 +46,6 @@ dense K/V in three runs of three.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import triton
@@ -132,28 +131,6 @@ def default_grid() -> str:
     if grid not in GRIDS:
         raise ValueError(f"{GRID_ENV}={grid!r}: set it to one of {GRIDS}")
     return grid
-
-
-# Known bug (forty-fourth session, BENCHMARKS.md): on an H200, a step with this op called
-# without a CUDA-graph capture under programmatic launch gave logits up to 0.88 away from the
-# step with dense K/V, while its captured replays, and the step with programmatic launch off,
-# agreed to 0.004; the cause is not found yet (``examples/race_study.py`` takes the suspects
-# away one at a time). Until it is, such a call warns, once a process.
-UNCAPTURED_WARNING = (
-    "{name} ran outside a CUDA-graph capture under programmatic dependent launch: on an H200 "
-    "such decode steps gave wrong logits (a known bug, BENCHMARKS.md, forty-fourth session; "
-    "CapturedStep's first call with a cache and Inductor's CUDA graphs' first calls run this "
-    "way too). Set DEJAVU_PDL=0 to launch plainly, or run every step captured.")
-_warned = False
-
-
-def warn_uncaptured(name: str) -> None:
-    """Warn (once a process) that ``name`` launches programmatically outside a capture."""
-    global _warned
-    if _warned or torch.cuda.is_current_stream_capturing():
-        return
-    _warned = True
-    warnings.warn(UNCAPTURED_WARNING.format(name=name), RuntimeWarning, stacklevel=3)
 
 
 def decode_configs() -> list[triton.Config]:
@@ -427,8 +404,6 @@ def _launch(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos, q, config, grid) 
                 BLOCK_IDS=max(16, triton.next_power_of_2(0 if every else ids.shape[1])))
     fixed = step_config(n, config)
     meta.update(pdl_meta())
-    if meta["PDL"]:
-        warn_uncaptured(name)
     if fixed is None:
         _decode_kernel[launch_grid](*args, **meta)
     else:

@@ -506,13 +506,22 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
 
     study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
     modules = (bucket_select, decode_attention, lazy_kv, triton_common)
+    from triton.runtime.jit import JITFunction
+
+    def norm_state():
+        return (triton_common.ADD_NORM_PDL, triton_common.FINISH_PDL,
+                triton_common._launch_add_norm, JITFunction.run)
+
     before = ([m.pdl_meta for m in modules], lazy_kv._launch, lazy_kv.step_config,
               os.environ.get(lazy_kv.GRID_ENV))
-    changed = {}
+    norm_before = norm_state()
+    assert norm_before[:2] == (False, False)  # the fix: both kernels launch plainly
+    changed, norm = {}, {}
     for name, variant in study.variants().items():
         with variant():
             changed[name] = ([m.pdl_meta for m in modules], lazy_kv._launch,
                              lazy_kv.step_config, lazy_kv.default_grid())
+            norm[name] = norm_state()
             if name == "dejavu plain":
                 assert all(m.pdl_meta() == {"PDL": False} for m in modules)
             if name == "lazy unsplit":
@@ -520,8 +529,44 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
                 assert lazy_kv.step_config(5) == lazy_kv.PREFILL_FIXED
         assert ([m.pdl_meta for m in modules], lazy_kv._launch, lazy_kv.step_config,
                 os.environ.get(lazy_kv.GRID_ENV)) == before, name
+        assert norm_state() == norm_before, name
+    assert norm["add_norm programmatic"][:3] == (True, False, norm_before[2])
+    assert norm["finish programmatic"][:3] == (False, True, norm_before[2])
+    assert norm["norm programmatic"][:3] == (True, True, norm_before[2])
+    for when in ("before", "after"):
+        assert norm[f"norm programmatic, sync {when}"][:2] == (True, True)
+        assert norm[f"norm programmatic, sync {when}"][2] is not norm_before[2]
+    for name in ("mlp plain", "output plain", "others plain"):
+        assert norm[name][3] is not norm_before[3] and norm[name][:3] == norm_before[:3]
     assert changed["as is"][:3] == before[:3] and changed["as is"][3] == lazy_kv.GRIDS[0]
     assert changed["sync before"][1] is not before[1] and changed["sync after"][1] is not before[1]
     assert changed["lazy plain"][0][2] is not before[0][2]
     assert changed["lazy plain"][0][:2] == before[0][:2]
     assert changed["heads grid"][3] == "heads"
+
+
+def test_race_study_plain_launches_only_the_named_kernels():
+    """``race_study._plain``: a launch of a named kernel goes through Triton's
+    ``JITFunction.run`` with ``PDL`` false and no ``launch_pdl``; any other kernel's, and a
+    named kernel without a ``PDL`` parameter, as asked."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from triton.runtime.jit import JITFunction
+
+    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    seen = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        seen.append((self.fn.__name__, kwargs))
+
+    def kernel(name, params=("x", "PDL")):
+        return SimpleNamespace(fn=SimpleNamespace(__name__=name), arg_names=list(params))
+
+    asked = {"PDL": True, "launch_pdl": True, "BLOCK": 4}
+    with mock.patch.object(JITFunction, "run", record), study._plain(("_finish_kernel",)):
+        JITFunction.run(kernel("_finish_kernel"), 1, grid=(1,), warmup=False, **asked)
+        JITFunction.run(kernel("_add_norm_kernel"), 1, grid=(1,), warmup=False, **asked)
+        JITFunction.run(kernel("_finish_kernel", ("x",)), 1, grid=(1,), warmup=False, **asked)
+    assert seen == [("_finish_kernel", {"PDL": False, "BLOCK": 4}),
+                    ("_add_norm_kernel", asked), ("_finish_kernel", asked)]

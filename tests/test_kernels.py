@@ -533,6 +533,51 @@ def test_decode_attention_tunes_only_blocks_within_a_chunk():
     assert decode_attention._fitting(configs, {"CHUNK": 16}) == configs[:1]
 
 
+def test_add_norm_and_finish_launch_plainly_under_programmatic_launch(monkeypatch):
+    """The forty-fifth session's fix (BENCHMARKS.md): where every other kernel launches
+    programmatically, the add-norm and finish kernels launch plainly (``PDL`` false, no
+    ``launch_pdl``), with or without a norm bias and from unfinished sums alike; turned back
+    on (``ADD_NORM_PDL``, ``FINISH_PDL``, as ``examples/race_study.py`` does) they launch as
+    ``pdl_meta`` says. Their outputs are the reference's either way."""
+    from dejavu_compile.kernels import reference as ref
+    from dejavu_compile.kernels import triton_common as tc
+
+    monkeypatch.setattr(tc, "programmatic", lambda: True)
+    assert tc.pdl_meta() == {"PDL": True, "launch_pdl": True}
+    launches = []
+
+    def recording(kernel):
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **meta):
+                    launches.append((kernel.__name__ if hasattr(kernel, "__name__")
+                                     else kernel.fn.__name__, meta.get("PDL"),
+                                     "launch_pdl" in meta))
+                    meta = {k: v for k, v in meta.items() if k not in ("PDL", "launch_pdl")}
+                    return kernel[grid](*args, PDL=False, **meta)
+                return launch
+        return Grid()
+
+    monkeypatch.setattr(tc, "_add_norm_kernel", recording(tc._add_norm_kernel))
+    monkeypatch.setattr(tc, "_finish_kernel", recording(tc._finish_kernel))
+    gen = torch.Generator().manual_seed(0)
+    y, res, w, b = (torch.randn(2, 64, generator=gen) for _ in range(4))
+    bias = torch.randn(64, generator=gen)
+    for allowed in (False, True):
+        monkeypatch.setattr(tc, "ADD_NORM_PDL", allowed)
+        monkeypatch.setattr(tc, "FINISH_PDL", allowed)
+        launches.clear()
+        h, n = tc.add_norm(y, res, w[0], b[0], 1e-5)
+        want_h, want_n = ref.add_norm(y, res, w[0], b[0], 1e-5)
+        torch.testing.assert_close(h, want_h)
+        torch.testing.assert_close(n, want_n, atol=1e-5, rtol=1e-4)
+        tc.add_norm_sums(y.clone(), bias, res, w[0], None, 1e-5, clean=False)
+        out = tc.finish(y, bias, torch.float32)
+        torch.testing.assert_close(out, y + bias)
+        assert launches == [("_add_norm_kernel", allowed, allowed)] * 2 \
+            + [("_finish_kernel", allowed, allowed)]
+
+
 def test_programmatic_launch_is_the_default_where_it_can_be(monkeypatch):
     """Programmatic launch is on by default on a Hopper-or-later GPU with compiled Triton; off
     with ``DEJAVU_PDL=0``, under the interpreter, on an older GPU and in deterministic mode;

@@ -476,23 +476,3 @@ def test_fusing_the_query_moves_only_pure_late_inputs():
     late = g.call_method("mul_", (x, 2))
     g.output((query, late))
     assert not _hoist(late, query, list(g.nodes), set())
-
-
-def test_uncaptured_programmatic_launch_warns_once(monkeypatch):
-    """The known bug's warning (forty-fourth session, BENCHMARKS.md): a lazy K/V launch under
-    programmatic launch outside a CUDA-graph capture warns once a process, naming the op and
-    the way round it (``DEJAVU_PDL=0``); one inside a capture does not."""
-    import warnings
-
-    monkeypatch.setattr(lazy_kv, "_warned", False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        lazy_kv.warn_uncaptured("lazy_qkv")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    with pytest.warns(RuntimeWarning, match=r"^lazy_qkv ran outside a CUDA-graph capture .*"
-                                            r"DEJAVU_PDL=0"):
-        lazy_kv.warn_uncaptured("lazy_qkv")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        lazy_kv.warn_uncaptured("lazy_kv")
