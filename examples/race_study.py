@@ -34,7 +34,7 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
 - ``others plain``: every dejavu kernel but the lazy one launched plainly;
 - ``add_norm programmatic``, ``finish programmatic``, ``norm programmatic``: the add-norm
   kernel, the finish kernel or both launched programmatically again, as before the fix;
-  ``norm programmatic, sync before`` and ``... sync after``: both, with the GPU synchronised
+  ``norm programmatic sync before`` and ``... sync after``: both, with the GPU synchronised
   before or after each add-norm launch (whether what goes wrong is before the kernel or
   after it);
 - ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
@@ -297,8 +297,8 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             "add_norm programmatic": lambda: _norm_programmatic(True, False),
             "finish programmatic": lambda: _norm_programmatic(False, True),
             "norm programmatic": lambda: _norm_programmatic(True, True),
-            "norm programmatic, sync before": lambda: _norm_programmatic(True, True, True),
-            "norm programmatic, sync after": lambda: _norm_programmatic(True, True, False)}
+            "norm programmatic sync before": lambda: _norm_programmatic(True, True, True),
+            "norm programmatic sync after": lambda: _norm_programmatic(True, True, False)}
 
 
 def early_loads(codes: list[str]) -> list[str]:

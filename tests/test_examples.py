@@ -534,10 +534,14 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     assert norm["finish programmatic"][:3] == (False, True, norm_before[2])
     assert norm["norm programmatic"][:3] == (True, True, norm_before[2])
     for when in ("before", "after"):
-        assert norm[f"norm programmatic, sync {when}"][:2] == (True, True)
-        assert norm[f"norm programmatic, sync {when}"][2] is not norm_before[2]
+        assert norm[f"norm programmatic sync {when}"][:2] == (True, True)
+        assert norm[f"norm programmatic sync {when}"][2] is not norm_before[2]
     for name in ("mlp plain", "output plain", "others plain"):
         assert norm[name][3] is not norm_before[3] and norm[name][:3] == norm_before[:3]
+    # ``--only`` takes the names comma-separated, and refuses a name it does not know
+    assert not any("," in name for name in study.variants())
+    with pytest.raises(SystemExit, match=r"--only: no variant \['norm plain'\]"):
+        study.main(["--only", "as is,norm plain"])
     assert changed["as is"][:3] == before[:3] and changed["as is"][3] == lazy_kv.GRIDS[0]
     assert changed["sync before"][1] is not before[1] and changed["sync after"][1] is not before[1]
     assert changed["lazy plain"][0][2] is not before[0][2]

@@ -529,7 +529,7 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse):
     ``CapturedStep``'s first call with a cache runs this way, and so do Inductor's CUDA graphs'
     first calls.
 
-    On an H200 (forty-fourth and forty-fifth sessions, BENCHMARKS.md) such runs were up to 0.88
+    On an H200 (forty-fifth session, BENCHMARKS.md) such runs were up to 0.80
     apart in 6 of 8 runs with lazy K/V and 4 of 8 with dense K/V (about 0.07 allowed), and
     right in every run with the add-norm and finish kernels launched plainly
     (``examples/race_study.py``)."""
