@@ -771,7 +771,8 @@ SPARSE_MODES = MODES[4:]
 _CAPTURED_LAZY = {"cudagraphs": False, "lazy_kv": True, "fuse_qkv": False}
 _CAPTURED_QKV = {**_CAPTURED_LAZY, "fuse_qkv": True}
 # Llama-3-8B's lookahead step replayed through CapturedStep with every kernel launched
-# programmatically, Inductor's own too: the base of its modes below
+# programmatically (but the add-norm and finish kernels, ``triton_common.ADD_NORM_PDL``),
+# Inductor's own too: the base of its modes below
 _CAPTURED_AHEAD_IPDL = {"cudagraphs": False, "inductor_pdl": True}
 # dejavu modes: (MLP density, attention density) from the operating point or dense, the
 # predictors' input (lookahead or not), the predictors' bucket size and other backend options
@@ -855,8 +856,8 @@ _DEJAVU_MODES = {
     # the same step, and dejavu_captured_qkv_noipdl_pdl is the one without)
     "dejavu_captured_qkv_ipdl_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "inductor_pdl": True}),
-    # dejavu_captured_ahead (Llama-3-8B's step) with every kernel launched programmatically,
-    # Inductor's own too
+    # dejavu_captured_ahead (Llama-3-8B's step) with every kernel launched programmatically
+    # (as above), Inductor's own too
     "dejavu_captured_ahead_ipdl_pdl": (True, True, BUCKET_UNITS, _CAPTURED_AHEAD_IPDL),
     # dejavu_captured_qkv_pdl with Inductor's kernels launched plainly (option inductor_pdl
     # off; on by default wherever the dejavu kernels launch programmatically)
