@@ -183,22 +183,20 @@ def describe(found: dict, steps: int) -> str:
     return text
 
 
-@contextlib.contextmanager
-def _synced(before: bool) -> Iterator[None]:
-    """Each lazy K/V launch with the GPU synchronised before it (``before``) or after it."""
-    from dejavu_compile.kernels import lazy_kv
+def _synced(module, name: str, before: bool) -> contextlib.AbstractContextManager:
+    """``module.name`` (a launcher) replaced, while inside, by one that synchronises the GPU
+    before each call (``before``) or after it."""
+    launch = getattr(module, name)
 
-    launch = lazy_kv._launch
-
-    def synced(*args):
+    def synced(*args, **kwargs):
         if before:
             torch.cuda.synchronize()
-        launch(*args)
+        out = launch(*args, **kwargs)
         if not before:
             torch.cuda.synchronize()
+        return out
 
-    with mock.patch.object(lazy_kv, "_launch", synced):
-        yield
+    return mock.patch.object(module, name, synced)
 
 
 @contextlib.contextmanager
@@ -211,21 +209,11 @@ def _norm_programmatic(add_norm: bool, finish: bool, sync_before: bool | None = 
     (``triton_common._launch_add_norm``)."""
     from dejavu_compile.kernels import triton_common
 
-    launch = triton_common._launch_add_norm
-
-    def synced(*args, **kwargs):
-        if sync_before:
-            torch.cuda.synchronize()
-        out = launch(*args, **kwargs)
-        if not sync_before:
-            torch.cuda.synchronize()
-        return out
-
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(triton_common, "ADD_NORM_PDL", add_norm))
         stack.enter_context(mock.patch.object(triton_common, "FINISH_PDL", finish))
         if sync_before is not None:
-            stack.enter_context(mock.patch.object(triton_common, "_launch_add_norm", synced))
+            stack.enter_context(_synced(triton_common, "_launch_add_norm", sync_before))
         yield
 
 
@@ -283,8 +271,8 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     from dejavu_compile.kernels import lazy_kv
 
     return {"as is": contextlib.nullcontext,
-            "sync before": lambda: _synced(True),
-            "sync after": lambda: _synced(False),
+            "sync before": lambda: _synced(lazy_kv, "_launch", True),
+            "sync after": lambda: _synced(lazy_kv, "_launch", False),
             "lazy plain": lambda: mock.patch.object(lazy_kv, "pdl_meta",
                                                     lambda: {"PDL": False}),
             "lazy unsplit": lambda: mock.patch.object(lazy_kv, "step_config", _unsplit),

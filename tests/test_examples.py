@@ -432,7 +432,7 @@ def test_race_study_finds_rows_written_one_position_away():
 def test_race_study_lazy_step_matches_dense_kv_on_the_cpu():
     """``race_study`` on a tiny OPT on the CPU (the reference ops, compiled by Inductor): the
     uncaptured lazy K/V step gives the logits, cache rows and counters of the step with dense
-    K/V, and the its arguments are checked before anything is built."""
+    K/V, and its arguments are checked before anything is built."""
     study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
     model = study.small_opt(2, 32, 4, "cpu")
     tokens = torch.randint(0, 512, (1, study.PROMPT + 3),
@@ -499,14 +499,16 @@ def test_race_study_lists_the_kernels_that_load_before_their_wait():
 def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     """``race_study.variants``: inside each, what it names is changed (the lazy launch wrapped,
     the lazy kernel's ``pdl_meta`` or ``step_config`` replaced, the heads grid chosen, every
-    dejavu module's ``pdl_meta`` plain), and on leaving everything is as before."""
+    dejavu module's ``pdl_meta`` plain, a group's launches plain, the add-norm or finish
+    kernel programmatic, the add-norm launch wrapped), and on leaving everything is as
+    before."""
     import os
 
     from dejavu_compile.kernels import bucket_select, decode_attention, lazy_kv, triton_common
+    from triton.runtime.jit import JITFunction
 
     study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
     modules = (bucket_select, decode_attention, lazy_kv, triton_common)
-    from triton.runtime.jit import JITFunction
 
     def norm_state():
         return (triton_common.ADD_NORM_PDL, triton_common.FINISH_PDL,
