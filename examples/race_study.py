@@ -44,7 +44,11 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
 - ``inductor waits`` (compiled again): Inductor's kernels launched programmatically, but each
   compiled to wait before its first load (this PyTorch's codegen patched for the compile).
   Inductor waits before a load only when the kernel it scheduled just before writes the
-  buffer (``early_loads`` lists the kernels that load before their wait, for each compile).
+  buffer (``early_loads`` lists the kernels that load before their wait, for each compile;
+  ``waitless`` those that store before it or have none);
+- ``norm programmatic inductor plain`` and ``norm programmatic inductor waits`` (each
+  compiled again): those two with the add-norm and finish kernels launched programmatically,
+  as before the fix (whether it is Inductor's kernels those two go wrong beside).
 
 Each runs ``--repeats`` times (``--only`` picks variants). A line per run: the steps whose
 logits are off (more than ``TOL`` of the reference's largest), the first of them, and per
@@ -305,6 +309,28 @@ def early_loads(codes: list[str]) -> list[str]:
     return found
 
 
+def waitless(codes: list[str]) -> list[str]:
+    """The Triton kernels in Inductor's ``codes`` launched programmatically (``launch_pdl``
+    in their ``triton_meta``) that store before their ``gdc_wait`` or never wait. Inductor
+    writes a wait after a kernel's first load, or before a store only into what the kernel
+    before reads or writes (``_handle_pdl_before_access``), so a kernel that loads nothing
+    (a fill, an ``arange``) may have none. Such a kernel can start once the kernel before it
+    lets it, and finish before that one has: the kernel after it then waits for it alone,
+    while each kernel's reasoning (ours and Inductor's) that what is older than its
+    predecessor has finished holds only if every kernel waits."""
+    found = []
+    for code in codes:
+        for match in re.finditer(r"async_compile\.triton\('(\w+)', '''(.*?)'''", code, re.S):
+            name, source = match.groups()
+            if "'launch_pdl': True" not in source:
+                continue
+            wait = source.find("gdc_wait")
+            writes = [i for i in (source.find("tl.store"), source.find("tl.atomic_")) if i >= 0]
+            if (wait < 0 or (writes and min(writes) < wait)) and name not in found:
+                found.append(name)
+    return found
+
+
 @contextlib.contextmanager
 def _inductor_waits_first() -> Iterator[None]:
     """Inductor's Triton kernels compiled with their ``gdc_wait`` before their first load or
@@ -327,9 +353,26 @@ def _inductor_waits_first() -> Iterator[None]:
         yield
 
 
-# variants compiled again: their options over the study's, and what their compile runs inside
+@contextlib.contextmanager
+def _both(*contexts: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Inside each of ``contexts`` (factories) at once."""
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context())
+        yield
+
+
+# variants compiled again: their options over the study's, and what their compile and runs
+# run inside. The last two launch the add-norm and finish kernels programmatically again
+# beside Inductor's kernels launched plainly or waiting first: if those two go wrong only
+# through Inductor's order of waits, their runs are right.
 COMPILED = {"inductor plain": ({"inductor_pdl": False}, contextlib.nullcontext),
-            "inductor waits": ({}, _inductor_waits_first)}
+            "inductor waits": ({}, _inductor_waits_first),
+            "norm programmatic inductor plain": (
+                {"inductor_pdl": False}, lambda: _norm_programmatic(True, True)),
+            "norm programmatic inductor waits": (
+                {}, lambda: _both(_inductor_waits_first,
+                                  lambda: _norm_programmatic(True, True)))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -382,8 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         def warm(name: str, forward: Callable) -> None:
             """One run that compiles and tunes, and the kernels that load before their wait."""
             _, codes = run_and_get_code(decode, model, forward, tokens, args.steps)
-            print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}",
-                  flush=True)
+            print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}; "
+                  f"stores before it or never waits: {waitless(codes) or 'none'}", flush=True)
 
         def runs(name: str, forward: Callable) -> None:
             for r in range(args.repeats):

@@ -496,6 +496,63 @@ def test_race_study_lists_the_kernels_that_load_before_their_wait():
     assert codegen.TritonKernel._handle_pdl_before_access is before
 
 
+# three kernels as Inductor's code holds them with their ``triton_meta``: launched
+# programmatically and never waiting, storing before their wait, and plainly with no wait
+_PDL_KERNELS = """
+a = async_compile.triton('triton_poi_fill', '''
+@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_poi_fill(out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tl.store(out_ptr0 + (0), 0.0, None)
+''', device_str='cuda')
+b = async_compile.triton('triton_poi_store_first', '''
+@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_poi_store_first(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
+    tl.store(out_ptr1 + (0), 0.0, None)
+    tmp0 = tl.load(in_ptr0 + (0))
+    tl.extra.cuda.gdc_wait()
+    tl.store(out_ptr0 + (0), tmp0, None)
+''', device_str='cuda')
+c = async_compile.triton('triton_poi_plain', '''
+@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': False})
+@triton.jit
+def triton_poi_plain(out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tl.store(out_ptr0 + (0), 0.0, None)
+''', device_str='cuda')
+"""
+
+
+def test_race_study_lists_the_kernels_that_store_before_their_wait_or_never_wait():
+    """``race_study.waitless`` names the kernels launched programmatically that never wait or
+    store before their wait, and neither one that waits before it stores nor one launched
+    plainly; the two variants that launch the add-norm and finish kernels programmatically
+    beside Inductor's kernels plain or waiting first are compiled with those options and
+    inside those patches, and leave everything as before."""
+    from dejavu_compile.kernels import triton_common
+    from torch._inductor.codegen import triton as codegen
+
+    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    waits = _KERNELS.replace("'''\n@triton.jit", "'''\n@p(triton_meta={'launch_pdl': True})"
+                             "\n@triton.jit")
+    assert waits.count("'launch_pdl': True") == 2  # both wait before they store
+    assert study.waitless([_PDL_KERNELS, waits]) == ["triton_poi_fill", "triton_poi_store_first"]
+    assert study.waitless([waits]) == []
+    before = (codegen.TritonKernel._handle_pdl_before_access, triton_common.ADD_NORM_PDL,
+              triton_common.FINISH_PDL)
+    for name, plain in (("norm programmatic inductor plain", True),
+                        ("norm programmatic inductor waits", False)):
+        extra, inside = study.COMPILED[name]
+        assert extra == ({"inductor_pdl": False} if plain else {})
+        with inside():
+            assert (triton_common.ADD_NORM_PDL, triton_common.FINISH_PDL) == (True, True)
+            patched = codegen.TritonKernel._handle_pdl_before_access is not before[0]
+            assert patched != plain, name
+        assert (codegen.TritonKernel._handle_pdl_before_access, triton_common.ADD_NORM_PDL,
+                triton_common.FINISH_PDL) == before
+    assert not any("," in name for name in study.COMPILED)
+
+
 def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     """``race_study.variants``: inside each, what it names is changed (the lazy launch wrapped,
     the lazy kernel's ``pdl_meta`` or ``step_config`` replaced, the heads grid chosen, every
