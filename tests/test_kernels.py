@@ -873,6 +873,187 @@ for early in (False, True):
                         ["True", "1", "1", "True"], ["True", "3", "1", "True"]], out.stdout
 
 
+_PTX_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
+              torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.int8: "*i8"}
+
+
+def _step_launches() -> list[dict]:
+    """Every Triton launch of the ops a decode step runs (fp16, batch 1, and two rows with one
+    selection), as the launchers make them under the interpreter: each kernel's module and
+    name, its arguments by name (a tensor as its pointer type, anything else as its value)
+    and its warps and stages."""
+    from unittest import mock
+
+    from dejavu_compile.kernels import dense, lazy_kv, ops
+    from dejavu_compile.kernels import triton_common as tc
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen, run = [], InterpretedFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        named = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+        seen.append({"module": self.fn.__module__, "name": self.fn.__name__,
+                     "args": {a: (_PTX_TYPES[v.dtype] if isinstance(v, torch.Tensor) else v)
+                              for a, v in named.items() if a in self.arg_names},
+                     "num_warps": kwargs.get("num_warps", 4),
+                     "num_stages": kwargs.get("num_stages", 3)})
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    f16 = torch.float16
+    d, n, d_out, k, heads_, hd = 32, 48, 32, 12, 4, 8
+
+    def r(*shape, seed):
+        return _rand(*shape, dtype=f16, seed=seed)
+
+    x, res = r(1, 1, d, seed=0), r(1, 1, d_out, seed=1)
+    w1, w_up, w2_t, b = r(n, d, seed=2), r(n, d, seed=3), r(n, d_out, seed=4), r(d_out, seed=5)
+    nw, nb = r(d_out, seed=6), r(d_out, seed=7)
+    idx = _selection(1, n, k).view(1, 1, k)
+    wq, bq = r(heads_ * hd, d, seed=8), r(heads_ * hd, seed=9)
+    wo_t = r(heads_ * hd, d_out, seed=10)
+    head_idx = _selection(1, heads_, 2).view(1, 1, 2)
+    keys = torch.zeros(1, heads_, 16, hd, dtype=f16)
+    values = torch.zeros_like(keys)
+
+    def stored(call):
+        with mock.patch.dict(os.environ, {tc.STORE_ROWS_ENV: "1"}):
+            call()
+
+    def space(gated=False, norm=False):
+        extra = ops.norm_numel(1, d_out) if norm else 0
+        return torch.zeros(ops.workspace_numel(1, d_out, k, gated) + extra)
+
+    calls = [
+        lambda: sparse_mlp.sparse_mlp(x, idx, w1, r(n, seed=20), None, w2_t, b, "relu"),
+        lambda: sparse_mlp.sparse_mlp(x, idx, w1, None, None, w2_t, b, "relu",
+                                      workspace=space()),
+        lambda: sparse_mlp.sparse_mlp(x, idx, w1, None, w_up, w2_t, None, "silu",
+                                      workspace=space(True, True), norm=(res, nw, None, 1e-5,
+                                                                         True)),
+        lambda: sparse_mlp.sparse_mlp(x, idx, w1, None, None, w2_t, b, "relu",
+                                      workspace=space(False, True),
+                                      norm=(res, nw, nb, 1e-5)),
+        lambda: sparse_mlp.sparse_mlp(r(2, 1, d, seed=11), idx[:1], w1, None, w_up, w2_t, b,
+                                      "silu", union=True),
+        lambda: heads.sparse_head_proj(x, head_idx, wq, bq, hd),
+        lambda: heads.sparse_head_out(r(1, 1, heads_ * hd, seed=12), head_idx, wo_t, b, hd),
+        lambda: heads.sparse_head_out(r(1, 1, heads_ * hd, seed=12), head_idx, wo_t, b, hd,
+                                      workspace=torch.zeros(ops.workspace_numel(1, d_out)
+                                                            + ops.norm_numel(1, d_out)),
+                                      norm=(res, nw, nb, 1e-5)),
+        lambda: heads.sparse_head_out(r(1, 1, heads_ * hd, seed=12), head_idx,
+                                      r(d_out, heads_ * hd, seed=13).t(), b, hd),
+        lambda: heads.sparse_head_proj(r(2, 1, d, seed=11), head_idx[:1], wq, bq, hd,
+                                       union=True),
+        lambda: heads.sparse_head_out(r(2, 1, heads_ * hd, seed=12), head_idx[:1], wo_t, b, hd,
+                                      union=True),
+        lambda: decode_attention.decode_attention(r(1, heads_, 1, hd, seed=14),
+                                                  r(1, 2, 20, hd, seed=15),
+                                                  r(1, 2, 20, hd, seed=16), hd ** -0.5),
+        lambda: decode_attention.decode_attention(r(1, heads_, 1, hd, seed=14),
+                                                  r(1, 2, 20, hd, seed=15),
+                                                  r(1, 2, 20, hd, seed=16), hd ** -0.5,
+                                                  counters=torch.zeros(2, dtype=torch.int32)),
+        lambda: lazy_kv.lazy_qkv(x, head_idx, wq, bq, wq, bq, wq, bq, keys, values,
+                                 torch.tensor([3])),
+        lambda: lazy_kv.lazy_kv(x, head_idx, wq, bq, wq, bq, keys, values, torch.tensor([4])),
+        lambda: dense.gemv(x, w1, None),
+        lambda: bucket_select.select_predictor_triton(x, r(8, d, seed=17), r(8, seed=18),
+                                                      r(n, 8, seed=19), None, "relu", k, 1, 1),
+        lambda: tc.add_norm(res, res, nw, nb, 1e-5),
+        lambda: tc.finish(torch.zeros(1, d_out), b, f16),
+        # the row-storing forms (``DEJAVU_STORE_ROWS=1``)
+        lambda: stored(lambda: sparse_mlp.sparse_mlp(x, idx, w1, None, None, w2_t, b, "relu")),
+        lambda: stored(lambda: heads.sparse_head_proj(x, head_idx, wq, bq, hd)),
+    ]
+    with mock.patch.object(InterpretedFunction, "run", record):
+        for call in calls:
+            call()
+    return seen
+
+
+_COMPILE_LAUNCHES = """
+import importlib, inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+done = set()
+for launch in json.load(open(sys.argv[1])):
+    key = json.dumps(launch, sort_keys=True)
+    if key in done:
+        continue
+    done.add(key)
+    fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    defaults = inspect.signature(fn.fn).parameters
+    sig, const = {}, {}
+    for p in fn.params:
+        v = launch["args"].get(p.name, defaults[p.name].default)
+        if p.is_constexpr:
+            const[p.name] = True if p.name == "PDL" else v
+        elif isinstance(v, str):
+            sig[p.name] = v
+        elif v is None:
+            sig[p.name], const[p.name] = "constexpr", None
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+        else:
+            sig[p.name] = "fp32"
+    ptx = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": launch["num_warps"],
+                                  "num_stages": launch["num_stages"]}).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    writes = [i for i in (ptx.find("st.global"), ptx.find("atom.global"), ptx.find("red.global"))
+              if i >= 0]
+    print(json.dumps({"name": launch["name"], "after": const.get("AFTER", False),
+                      "waits": ptx.count("griddepcontrol.wait"), "wait": wait,
+                      "write": min(writes) if writes else -1,
+                      "start": ptx.find("griddepcontrol.launch_dependents")}))
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="reads the launchers' launches under the interpreter")
+def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path):
+    """Programmatic launch is right only if every kernel launched so waits for the kernel
+    before it, writes nothing before that wait (the kernel before may still read or write
+    there), and lets the kernel after it start only after it (that one's early loads take
+    what is older than its predecessor as finished): a kernel that never waits could finish
+    before the kernel before it, and the one after it, waiting for it alone, would not wait
+    for that one. Every launch a decode step's ops make (``_step_launches``, the launchers'
+    own arguments and tiles), compiled here for an sm_90 GPU with ``PDL`` on (Triton's own
+    ptxas, no GPU needed), waits, has no global store or atomic before its first wait, and
+    no start of its successor before it, but the up kernel's after the op's zero-fill
+    (``AFTER``: what its successor loads early is older than that plain launch)."""
+    import json
+    import subprocess
+    import sys
+
+    launches = _step_launches()
+    (tmp_path / "launches.json").write_text(json.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_LAUNCHES, "launches.json"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    compiled = [json.loads(line) for line in out.stdout.splitlines()]
+    names = {c["name"] for c in compiled}
+    assert names >= {"_up_kernel", "_down_kernel", "_up_union_kernel", "_down_union_kernel",
+                     "_head_proj_kernel", "_head_out_kernel", "_head_out_cols_kernel",
+                     "_head_proj_union_kernel", "_head_out_union_kernel", "_split_kernel",
+                     "_combine_kernel", "_lazy_kv_kernel", "_gemv_kernel", "_hidden_kernel",
+                     "_bucket_kernel", "_add_norm_kernel", "_finish_kernel",
+                     "_up_store_kernel", "_head_proj_store_kernel"}, names
+    assert {c["name"] for c in compiled if c["after"]} == {"_up_kernel"}
+    for c in compiled:
+        assert c["waits"] >= 1, c
+        assert c["write"] == -1 or c["write"] > c["wait"], c
+        assert c["start"] >= 0 and (c["start"] < c["wait"]) == c["after"], c
+
+
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
     """Under programmatic launch the up kernel may load its ids and x before it waits only when
     the kernel before it is the op's own (the zero-fill, or the gated op's gather): on a
