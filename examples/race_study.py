@@ -48,7 +48,10 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
   ``waitless`` those that store before it or have none);
 - ``norm programmatic inductor plain`` and ``norm programmatic inductor waits`` (each
   compiled again): those two with the add-norm and finish kernels launched programmatically,
-  as before the fix (whether it is Inductor's kernels those two go wrong beside).
+  as before the fix (whether it is Inductor's kernels those two go wrong beside);
+- ``norm programmatic no reuse`` (compiled again, Inductor reusing no buffer): the add-norm
+  and finish kernels launched programmatically, every tensor they are given kept alive
+  (whether what goes wrong is a later kernel writing into memory they have still to read).
 
 Each runs ``--repeats`` times (``--only`` picks variants). A line per run: the steps whose
 logits are off (more than ``TOL`` of the reference's largest), the first of them, and per
@@ -354,6 +357,37 @@ def _inductor_waits_first() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _kept_inputs() -> Iterator[list[torch.Tensor]]:
+    """While inside, every tensor given to an add-norm or finish launch kept alive (the list
+    yielded), so that the caching allocator hands none of their memory to a later tensor: a
+    kernel launched programmatically starts its successor right after its wait and reads its
+    inputs after that, so a successor that wrote into memory freed after the launch before
+    its own wait would overwrite what the kernel has still to read."""
+    from dejavu_compile.kernels import sparse_mlp, triton_common
+
+    kept: list[torch.Tensor] = []
+
+    def keeping(launch: Callable) -> Callable:
+        def launched(*args, **kwargs):
+            kept.extend(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            return launch(*args, **kwargs)
+        return launched
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(triton_common, "_launch_add_norm",
+                                              keeping(triton_common._launch_add_norm)))
+        finish = keeping(triton_common.finish)
+        for module in (triton_common, sparse_mlp):  # sparse_mlp imports it by name
+            stack.enter_context(mock.patch.object(module, "finish", finish))
+        yield kept
+
+
+def _no_reuse() -> contextlib.AbstractContextManager:
+    """Inductor compiling with no buffer reused, in place or after its last reader."""
+    return torch._inductor.config.patch(allow_buffer_reuse=False, inplace_buffers=False)
+
+
+@contextlib.contextmanager
 def _both(*contexts: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
     """Inside each of ``contexts`` (factories) at once."""
     with contextlib.ExitStack() as stack:
@@ -363,15 +397,20 @@ def _both(*contexts: Callable[[], contextlib.AbstractContextManager]) -> Iterato
 
 
 # variants compiled again: their options over the study's, and what their compile and runs
-# run inside. The last two launch the add-norm and finish kernels programmatically again
-# beside Inductor's kernels launched plainly or waiting first: if those two go wrong only
-# through Inductor's order of waits, their runs are right.
+# run inside. The last three launch the add-norm and finish kernels programmatically again:
+# beside Inductor's kernels launched plainly or waiting first (if those two go wrong only
+# through Inductor's order of waits, their runs are right), and with no memory they read
+# given to a later tensor (Inductor's buffer reuse off, their inputs kept alive: if a later
+# kernel overwrites what they have still to read, their runs are right).
 COMPILED = {"inductor plain": ({"inductor_pdl": False}, contextlib.nullcontext),
             "inductor waits": ({}, _inductor_waits_first),
             "norm programmatic inductor plain": (
                 {"inductor_pdl": False}, lambda: _norm_programmatic(True, True)),
             "norm programmatic inductor waits": (
                 {}, lambda: _both(_inductor_waits_first,
+                                  lambda: _norm_programmatic(True, True))),
+            "norm programmatic no reuse": (
+                {}, lambda: _both(_no_reuse, _kept_inputs,
                                   lambda: _norm_programmatic(True, True)))}
 
 

@@ -526,10 +526,11 @@ def triton_poi_plain(out_ptr0, xnumel, XBLOCK : tl.constexpr):
 def test_race_study_lists_the_kernels_that_store_before_their_wait_or_never_wait():
     """``race_study.waitless`` names the kernels launched programmatically that never wait or
     store before their wait, and neither one that waits before it stores nor one launched
-    plainly; the two variants that launch the add-norm and finish kernels programmatically
-    beside Inductor's kernels plain or waiting first are compiled with those options and
-    inside those patches, and leave everything as before."""
-    from dejavu_compile.kernels import triton_common
+    plainly; the variants that launch the add-norm and finish kernels programmatically
+    beside Inductor's kernels plain or waiting first, or with no memory they read reused,
+    are compiled with those options and inside those patches (the last keeps every tensor
+    the two launches are given), and leave everything as before."""
+    from dejavu_compile.kernels import sparse_mlp, triton_common
     from torch._inductor.codegen import triton as codegen
 
     study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
@@ -551,6 +552,25 @@ def test_race_study_lists_the_kernels_that_store_before_their_wait_or_never_wait
         assert (codegen.TritonKernel._handle_pdl_before_access, triton_common.ADD_NORM_PDL,
                 triton_common.FINISH_PDL) == before
     assert not any("," in name for name in study.COMPILED)
+    # the last one: no buffer reused by Inductor, and the launches' inputs kept alive
+    extra, inside = study.COMPILED["norm programmatic no reuse"]
+    assert extra == {}
+    reuse = (torch._inductor.config.allow_buffer_reuse, torch._inductor.config.inplace_buffers)
+    finish = (triton_common.finish, sparse_mlp.finish, triton_common._launch_add_norm)
+    with inside():
+        assert (torch._inductor.config.allow_buffer_reuse,
+                torch._inductor.config.inplace_buffers) == (False, False)
+        assert (triton_common.ADD_NORM_PDL, triton_common.FINISH_PDL) == (True, True)
+        assert triton_common.finish is sparse_mlp.finish and triton_common.finish is not finish[0]
+    assert (torch._inductor.config.allow_buffer_reuse,
+            torch._inductor.config.inplace_buffers) == reuse
+    assert (triton_common.finish, sparse_mlp.finish, triton_common._launch_add_norm) == finish
+    acc, res = torch.randn(1, 8), torch.randn(1, 8)
+    with study._kept_inputs() as kept:
+        out = triton_common.finish(acc, None, torch.float16)
+        h, normed = triton_common.add_norm(res, res, torch.ones(8), None, 1e-5)
+    assert kept[0] is acc and any(t.data_ptr() == res.data_ptr() for t in kept[1:])
+    torch.testing.assert_close(out, acc.half())
 
 
 def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
