@@ -53,12 +53,12 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
   and finish kernels launched programmatically, every tensor they are given kept alive
   (whether what goes wrong is a later kernel writing into memory they have still to read).
 
-Each runs ``--repeats`` times (``--only`` picks variants). A line per run: the steps whose
-logits are off (more than ``TOL`` of the reference's largest), the first of them, and per
-layer the cache positions whose keys or values are off, and how many of those hold the
-reference's row of the position before or after (a step that wrote its row one position
-away); and the layers whose position counter (Hugging Face's ``cumulative_length``) is not
-where the run left it.
+Each runs ``--repeats`` times (``--only`` picks variants; ``--code DIR`` writes Inductor's code
+of each compile there). A line per run: the steps whose logits are off (more than ``TOL`` of
+the reference's largest), the first of them, and per layer the cache positions whose keys or
+values are off, and how many of those hold the reference's row of the position before or
+after (a step that wrote its row one position away); and the layers whose position counter
+(Hugging Face's ``cumulative_length``) is not where the run left it.
 
 Run on a CUDA machine: ``TRITON_INTERPRET=0 python examples/race_study.py`` (``--fuse-qkv``
 for the lazy op with the query, as in the default step). On CPU it makes the same comparison
@@ -73,6 +73,7 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -424,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=6)
     p.add_argument("--fuse-qkv", action="store_true",
                    help="the lazy op with the query (option fuse_qkv), as in the default step")
+    p.add_argument("--code", default="",
+                   help="a folder to write Inductor's code of each compile into (the wrapper "
+                        "that orders the launches, and its kernels)")
     p.add_argument("--only", default="",
                    help="comma-separated names of the variants to run (default: all of them)")
     args = p.parse_args(argv)
@@ -462,8 +466,14 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
 
         def warm(name: str, forward: Callable) -> None:
-            """One run that compiles and tunes, and the kernels that load before their wait."""
+            """One run that compiles and tunes, and the kernels that load before their wait;
+            Inductor's code into ``--code`` when given."""
             _, codes = run_and_get_code(decode, model, forward, tokens, args.steps)
+            if args.code:
+                folder = Path(args.code)
+                folder.mkdir(parents=True, exist_ok=True)
+                for i, code in enumerate(codes):
+                    (folder / f"{name.replace(' ', '_')}_{i}.py").write_text(code)
             print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}; "
                   f"stores before it or never waits: {waitless(codes) or 'none'}", flush=True)
 
@@ -473,7 +483,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {name:14s} run {r + 1}: {describe(found, args.steps)}", flush=True)
 
         if cuda and wanted("dense as is"):  # the step with dense K/V, as compiled
-            runs("dense as is", compiled(model, dense))
+            forward = compiled(model, dense)
+            warm("dense compiled", forward)
+            runs("dense as is", forward)
         forward = compiled(model, options)
         warm("as compiled", forward)
         for name, variant in (variants() if cuda else {"as is": contextlib.nullcontext}).items():

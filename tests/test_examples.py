@@ -429,10 +429,11 @@ def test_race_study_finds_rows_written_one_position_away():
     assert same == {"steps": [], "max": 0.0, "cache": {}, "counters": []}
 
 
-def test_race_study_lazy_step_matches_dense_kv_on_the_cpu():
+def test_race_study_lazy_step_matches_dense_kv_on_the_cpu(tmp_path, capsys):
     """``race_study`` on a tiny OPT on the CPU (the reference ops, compiled by Inductor): the
     uncaptured lazy K/V step gives the logits, cache rows and counters of the step with dense
-    K/V, and its arguments are checked before anything is built."""
+    K/V, and its arguments are checked before anything is built; ``main`` runs it so, and
+    with ``--code`` writes Inductor's code of its compile (the wrapper and its calls)."""
     study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
     model = study.small_opt(2, 32, 4, "cpu")
     tokens = torch.randint(0, 512, (1, study.PROMPT + 3),
@@ -452,6 +453,13 @@ def test_race_study_lazy_step_matches_dense_kv_on_the_cpu():
         study.main(["--heads", "3"])
     with pytest.raises(SystemExit, match="--repeats"):
         study.main(["--repeats", "0"])
+    study.main(["--layers", "1", "--hidden", "32", "--heads", "4", "--steps", "2",
+                "--repeats", "1", "--code", str(tmp_path / "code")])
+    out = capsys.readouterr().out
+    assert "as is          run 1: 0 of 2 steps off" in out, out
+    written = sorted((tmp_path / "code").iterdir())
+    assert [p.name for p in written] == ["as_compiled_0.py"]
+    assert "def call(" in written[0].read_text()
 
 
 # two kernels as Inductor's code holds them (their source inside triple single quotes)
