@@ -762,7 +762,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_nonorm_pdl", "dejavu_captured_ahead_rms_pdl",
          "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl",
          "dejavu_captured_qkv_gemv_pdl", "dejavu_captured_ahead_nogemv_pdl",
-         "dejavu_captured_qkv_nogemv_pdl",
+         "dejavu_captured_qkv_nogemv_pdl", "dejavu_captured_qkv_normlate_pdl",
+         "dejavu_captured_ahead_normlate_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
@@ -921,6 +922,12 @@ _DEJAVU_MODES = {
                                                                  "merge_attention": True}),
     "dejavu_captured_ahead_merge_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                    "merge_attention": True}),
+    # OPT-13B's and Llama-3-8B's default steps with the add-norm and finish kernels launched
+    # programmatically, each starting its successor after its last store
+    # (triton_common.NORM_LAUNCH_ENV "late"; kernel_switches): plain since the forty-fifth
+    # session, when with the successor started right after the wait some steps went wrong
+    "dejavu_captured_qkv_normlate_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
+    "dejavu_captured_ahead_normlate_pdl": (True, True, BUCKET_UNITS, _CAPTURED_AHEAD_IPDL),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
@@ -943,12 +950,14 @@ def kernel_switches(mode: str):
     the modes named ``*_early_pdl``, ``DEJAVU_NORM_FINISH`` (where a fused norm is computed)
     "last" for ``dejavu_captured_qkv_norm_pdl``, "kernel" for
     ``dejavu_captured_qkv_normk_pdl``, "mixed" for ``dejavu_captured_qkv_normm_pdl`` and
-    "sums" for ``dejavu_captured_qkv_norms_pdl``,
+    "sums" for ``dejavu_captured_qkv_norms_pdl``, ``DEJAVU_NORM_LAUNCH`` (how the add-norm
+    and finish kernels launch) "late" for the modes named ``*_normlate_pdl``,
     each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
         EARLY_IDS_ENV,
         NORM_FINISH_ENV,
+        NORM_LAUNCH_ENV,
         PDL_ENV,
         STORE_ROWS_ENV,
     )
@@ -959,6 +968,9 @@ def kernel_switches(mode: str):
         os.environ.pop(GRID_ENV, None)
         os.environ.pop(EARLY_IDS_ENV, None)
         os.environ.pop(NORM_FINISH_ENV, None)
+        os.environ.pop(NORM_LAUNCH_ENV, None)
+        if mode.endswith("_normlate_pdl"):
+            os.environ[NORM_LAUNCH_ENV] = "late"
         finishes = {"dejavu_captured_qkv_norm_pdl": "last",
                     "dejavu_captured_qkv_normk_pdl": "kernel",
                     "dejavu_captured_qkv_normm_pdl": "mixed",

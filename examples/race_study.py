@@ -36,7 +36,8 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
   kernel, the finish kernel or both launched programmatically again, as before the fix;
   ``norm programmatic sync before`` and ``... sync after``: both, with the GPU synchronised
   before or after each add-norm launch (whether what goes wrong is before the kernel or
-  after it);
+  after it); ``norm late``: both launched programmatically, each starting its successor
+  after its last store (``DEJAVU_NORM_LAUNCH=late``, bench modes ``*_normlate_pdl``);
 - ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
   uncaptured, the others replay the capture);
 - ``inductor plain`` (compiled again, after the others): Inductor's own kernels launched
@@ -276,7 +277,7 @@ def _unsplit(n: int, config: dict | None = None) -> dict:
 
 def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """The study's variants of one compiled step (see the module docstring), by name."""
-    from dejavu_compile.kernels import lazy_kv
+    from dejavu_compile.kernels import lazy_kv, triton_common
 
     return {"as is": contextlib.nullcontext,
             "sync before": lambda: _synced(lazy_kv, "_launch", True),
@@ -294,7 +295,9 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             "finish programmatic": lambda: _norm_programmatic(False, True),
             "norm programmatic": lambda: _norm_programmatic(True, True),
             "norm programmatic sync before": lambda: _norm_programmatic(True, True, True),
-            "norm programmatic sync after": lambda: _norm_programmatic(True, True, False)}
+            "norm programmatic sync after": lambda: _norm_programmatic(True, True, False),
+            "norm late": lambda: mock.patch.dict(os.environ,
+                                                 {triton_common.NORM_LAUNCH_ENV: "late"})}
 
 
 def early_loads(codes: list[str]) -> list[str]:

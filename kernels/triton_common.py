@@ -157,18 +157,41 @@ def pdl_meta() -> dict:
 # wrong. What goes wrong in them is not known. ``race_study`` turns each back on.
 ADD_NORM_PDL = False
 FINISH_PDL = False
+# ``DEJAVU_NORM_LAUNCH=late`` launches those two programmatically again, each letting its
+# successor start only after its last store (``LATE``) rather than right after its wait: the
+# kernel still starts early, loads its weights and waits while the kernel before it drains,
+# but nothing after it starts before it has read its inputs and written its outputs. Not
+# run on a GPU yet, so off (``plain``, the default); bench modes ``*_normlate_pdl`` set it.
+NORM_LAUNCH_ENV = "DEJAVU_NORM_LAUNCH"
+NORM_LAUNCHES = ("plain", "late")
 
 
-def launch_meta(allowed: bool) -> dict:
-    """``pdl_meta`` for a kernel that may launch programmatically (``allowed``), else plain."""
-    return pdl_meta() if allowed else {"PDL": False}
+def norm_launch() -> str:
+    """How the add-norm and finish kernels launch: one of ``NORM_LAUNCHES``
+    (``NORM_LAUNCH_ENV``; unset is "plain"). Any other value is an error."""
+    asked = os.environ.get(NORM_LAUNCH_ENV, NORM_LAUNCHES[0])
+    if asked not in NORM_LAUNCHES:
+        raise ValueError(f"{NORM_LAUNCH_ENV}={asked!r}: set it to one of {NORM_LAUNCHES}")
+    return asked
+
+
+def norm_launch_meta(early: bool) -> dict:
+    """The ``PDL`` and ``LATE`` meta-parameters (and Triton's launch option) of an add-norm or
+    finish launch: ``early`` (``ADD_NORM_PDL`` or ``FINISH_PDL``), programmatic with the
+    successor started right after the wait, as before the forty-fifth session's fix; else as
+    ``norm_launch`` says: plain, or programmatic with the successor started last."""
+    if early:
+        return {**pdl_meta(), "LATE": False}
+    if norm_launch() == "late":
+        return {**pdl_meta(), "LATE": True}
+    return {"PDL": False, "LATE": False}
 
 
 @triton.jit
 def wait_inputs(PDL: tl.constexpr, STARTED: tl.constexpr = False):
     """Under programmatic launch: wait until the kernel before this one has finished and its
     writes are visible, then let the kernel after this one start (unless ``STARTED``: this
-    kernel let it start already, ``start_dependents``)."""
+    kernel lets it start itself, ``start_dependents``, before or after)."""
     if PDL:
         gdc_wait()
         if not STARTED:
@@ -181,7 +204,9 @@ def start_dependents(PDL: tl.constexpr):
     loads (then ``wait_inputs(PDL, True)``). Only a kernel whose predecessor is finished may
     (the op's zero-fill, a plain launch): what its successor loads before its own wait is then
     older than both. The sparse MLP's up kernel does, so that the down kernel's programs load
-    their first weights as the up kernel's last ones drain."""
+    their first weights as the up kernel's last ones drain. Called last instead, after the
+    wait and every store, it starts the successor only once this kernel has read and written
+    everything (the add-norm and finish kernels' ``LATE``)."""
     if PDL:
         gdc_launch_dependents()
 
@@ -451,12 +476,14 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
                      stride_y, stride_r, stride_h, stride_n,
                      HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                      SUMS: tl.constexpr = False, HAS_YB: tl.constexpr = False,
-                     CLEAN: tl.constexpr = False, RMS: tl.constexpr = False):
+                     CLEAN: tl.constexpr = False, RMS: tl.constexpr = False,
+                     LATE: tl.constexpr = False):
     # one program a row, the whole row in registers: the weight and biases load before the
     # wait (they are no kernel's output), the row after it, then no memory until the stores.
     # SUMS: y is a reducing kernel's fp32 sums, finished here as ``finish_last`` would (the
     # op's bias ``yb`` added, rounded to the rows' dtype); CLEAN: and left zero (a workspace);
-    # RMS: Llama's RMS norm (``reference.add_norm``) in place of the layer norm
+    # RMS: Llama's RMS norm (``reference.add_norm``) in place of the layer norm; LATE: the
+    # successor started after the last store (``norm_launch``), not right after the wait
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -465,7 +492,7 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
         nb = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_YB:
         yb = tl.load(yb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    wait_inputs(PDL)
+    wait_inputs(PDL, LATE)
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
     if SUMS:
@@ -490,6 +517,8 @@ def _add_norm_kernel(y_ptr, yb_ptr, r_ptr, w_ptr, b_ptr, h_ptr, n_ptr,
         if HAS_B:
             out += nb
     tl.store(n_ptr + row * stride_n + offs, out.to(n_ptr.dtype.element_ty), mask=mask)
+    if LATE:
+        start_dependents(PDL)
 
 
 def add_norm(y: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
@@ -523,7 +552,7 @@ def _launch_add_norm(rows, y_bias, res, w, norm_b, eps, shape, sums: bool = Fals
         rows.stride(0), res.stride(0), h.stride(0), normed.stride(0),
         HAS_B=norm_b is not None, BLOCK=block, SUMS=sums, HAS_YB=y_bias is not None,
         CLEAN=clean, RMS=rms, num_warps=min(16, max(1, block // 256)),
-        **launch_meta(ADD_NORM_PDL))
+        **norm_launch_meta(ADD_NORM_PDL))
     return h.reshape(shape), normed.reshape(shape)
 
 
@@ -742,17 +771,21 @@ def check_dtype(name: str, *tensors) -> None:
 
 @triton.jit
 def _finish_kernel(acc_ptr, b_ptr, out_ptr, N, stride_acc, stride_out,
-                   HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                   HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                   LATE: tl.constexpr = False):
+    # LATE: the successor started after the store (``norm_launch``), not right after the wait
     pid, row = tl.program_id(0), tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     if HAS_B:
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    wait_inputs(PDL)  # the accumulator is the previous kernel's
+    wait_inputs(PDL, LATE)  # the accumulator is the previous kernel's
     v = tl.load(acc_ptr + row * stride_acc + offs, mask=mask, other=0.0)
     if HAS_B:
         v += b
     tl.store(out_ptr + row * stride_out + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+    if LATE:
+        start_dependents(PDL)
 
 
 def _carve(buf: torch.Tensor, n_rows: int, d_out: int, before: int, dtype):
@@ -826,5 +859,5 @@ def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> 
     block = min(1024, triton.next_power_of_2(n))
     _finish_kernel[(triton.cdiv(n, block), rows)](
         acc, bias if bias is not None else acc, out, n, acc.stride(0), out.stride(0),
-        HAS_B=bias is not None, BLOCK=block, num_warps=4, **launch_meta(FINISH_PDL))
+        HAS_B=bias is not None, BLOCK=block, num_warps=4, **norm_launch_meta(FINISH_PDL))
     return out

@@ -619,6 +619,26 @@ def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
         norm_in_finish("mlp")
 
 
+def test_the_normlate_modes_are_the_default_steps_with_the_norm_kernels_starting_late(
+        monkeypatch):
+    """``dejavu_captured_qkv_normlate_pdl`` and ``dejavu_captured_ahead_normlate_pdl`` are
+    OPT-13B's and Llama-3-8B's default steps run with ``DEJAVU_NORM_LAUNCH=late``; every
+    other mode runs with it unset (plain, the default), whatever the environment said, which
+    is restored afterwards."""
+    from dejavu_compile.kernels.triton_common import NORM_LAUNCH_ENV, norm_launch
+
+    monkeypatch.setenv(NORM_LAUNCH_ENV, "late")  # set outside: the mode says its own
+    modes = bench._DEJAVU_MODES
+    for late, step in (("dejavu_captured_qkv_normlate_pdl", "dejavu_captured_qkv_pdl"),
+                       ("dejavu_captured_ahead_normlate_pdl", "dejavu_captured_ahead_ipdl_pdl")):
+        assert late in bench.SPARSE_MODES and modes[late] == modes[step]
+        with bench.kernel_switches(late):
+            assert norm_launch() == "late"
+        with bench.kernel_switches(step):
+            assert NORM_LAUNCH_ENV not in os.environ and norm_launch() == "plain"
+    assert os.environ[NORM_LAUNCH_ENV] == "late"
+
+
 def test_the_gemv_modes_pair_the_default_steps_with_and_without_dense_gemv():
     """The default steps leave ``dense_gemv`` to its default (on CUDA); the gemv modes say it
     and the nogemv modes turn it off, the rest of each step the same."""

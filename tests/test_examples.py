@@ -585,8 +585,8 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     """``race_study.variants``: inside each, what it names is changed (the lazy launch wrapped,
     the lazy kernel's ``pdl_meta`` or ``step_config`` replaced, the heads grid chosen, every
     dejavu module's ``pdl_meta`` plain, a group's launches plain, the add-norm or finish
-    kernel programmatic, the add-norm launch wrapped), and on leaving everything is as
-    before."""
+    kernel programmatic, the add-norm launch wrapped, the two launched late), and on leaving
+    everything is as before."""
     import os
 
     from dejavu_compile.kernels import bucket_select, decode_attention, lazy_kv, triton_common
@@ -603,12 +603,14 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
               os.environ.get(lazy_kv.GRID_ENV))
     norm_before = norm_state()
     assert norm_before[:2] == (False, False)  # the fix: both kernels launch plainly
-    changed, norm = {}, {}
+    changed, norm, late = {}, {}, {}
     for name, variant in study.variants().items():
         with variant():
             changed[name] = ([m.pdl_meta for m in modules], lazy_kv._launch,
                              lazy_kv.step_config, lazy_kv.default_grid())
             norm[name] = norm_state()
+            if triton_common.norm_launch() != "plain":
+                late[name] = triton_common.norm_launch()
             if name == "dejavu plain":
                 assert all(m.pdl_meta() == {"PDL": False} for m in modules)
             if name == "lazy unsplit":
@@ -623,6 +625,7 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     for when in ("before", "after"):
         assert norm[f"norm programmatic sync {when}"][:2] == (True, True)
         assert norm[f"norm programmatic sync {when}"][2] is not norm_before[2]
+    assert late == {"norm late": "late"}  # the variable set inside that variant only
     for name in ("mlp plain", "output plain", "others plain"):
         assert norm[name][3] is not norm_before[3] and norm[name][:3] == norm_before[:3]
     # ``--only`` takes the names comma-separated, and refuses a name it does not know

@@ -517,9 +517,12 @@ def test_multi_kernel_in_the_captured_lazy_step():
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["kv", "qkv"])
-@pytest.mark.parametrize("lazy", [False, True], ids=["dense_kv", "lazy_kv"])
-def test_uncaptured_step_under_programmatic_launch(lazy, fuse):
+@pytest.mark.parametrize("lazy,fuse,norm", [
+    (False, False, "plain"), (False, True, "plain"), (True, False, "plain"),
+    (True, True, "plain"), (False, False, "late"), (True, True, "late")],
+    ids=["dense_kv-kv", "dense_kv-qkv", "lazy_kv-kv", "lazy_kv-qkv", "dense_kv-kv-late",
+         "lazy_kv-qkv-late"])
+def test_uncaptured_step_under_programmatic_launch(lazy, fuse, norm):
     """The step of ``test_multi_kernel_in_the_captured_lazy_step``'s small OPT (the fixed
     selector at MLP 0.25 and heads 0.5; K/V dense or lazy, with the query fused in or not),
     compiled without graphs and called step by step under the bench's switches for its
@@ -527,12 +530,16 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse):
     step compiled and run with no kernel launched programmatically (``DEJAVU_PDL=0``, option
     ``inductor_pdl`` off), to the tolerance of fp16 sums added in another order.
     ``CapturedStep``'s first call with a cache runs this way, and so do Inductor's CUDA graphs'
-    first calls.
+    first calls. ``norm``: how the add-norm and finish kernels launch
+    (``DEJAVU_NORM_LAUNCH``: plainly, the default, or programmatically starting their
+    successor last).
 
     On an H200 (forty-fifth session, BENCHMARKS.md) such runs were up to 0.80
     apart in 6 of 8 runs with lazy K/V and 4 of 8 with dense K/V (about 0.07 allowed), and
     right in every run with the add-norm and finish kernels launched plainly
     (``examples/race_study.py``)."""
+    from dejavu_compile.kernels.triton_common import NORM_LAUNCH_ENV
+
     from dejavu_compile.bench import kernel_switches
 
     model = _small_opt(4, hidden=2048)
@@ -553,6 +560,7 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse):
         _teacher_forced_logits(model, fwd, tokens, 16)  # compiles, tunes, re-lays out
         want = _teacher_forced_logits(model, fwd, tokens, 16)
         os.environ["DEJAVU_PDL"] = "1"
+        os.environ[NORM_LAUNCH_ENV] = norm
         fwd = compiled({})
         _teacher_forced_logits(model, fwd, tokens, 16)
         runs = [_teacher_forced_logits(model, fwd, tokens, 16) for _ in range(4)]

@@ -538,7 +538,10 @@ def test_add_norm_and_finish_launch_plainly_under_programmatic_launch(monkeypatc
     programmatically, the add-norm and finish kernels launch plainly (``PDL`` false, no
     ``launch_pdl``), with or without a norm bias and from unfinished sums alike; turned back
     on (``ADD_NORM_PDL``, ``FINISH_PDL``, as ``examples/race_study.py`` does) they launch as
-    ``pdl_meta`` says. Their outputs are the reference's either way."""
+    ``pdl_meta`` says, starting their successor right after their wait; with
+    ``DEJAVU_NORM_LAUNCH=late`` programmatically, starting it after their stores (``LATE``).
+    Their outputs are the reference's every way; another value of the variable is an error
+    naming it."""
     from dejavu_compile.kernels import reference as ref
     from dejavu_compile.kernels import triton_common as tc
 
@@ -552,7 +555,7 @@ def test_add_norm_and_finish_launch_plainly_under_programmatic_launch(monkeypatc
                 def launch(*args, **meta):
                     launches.append((kernel.__name__ if hasattr(kernel, "__name__")
                                      else kernel.fn.__name__, meta.get("PDL"),
-                                     "launch_pdl" in meta))
+                                     "launch_pdl" in meta, meta.get("LATE")))
                     meta = {k: v for k, v in meta.items() if k not in ("PDL", "launch_pdl")}
                     return kernel[grid](*args, PDL=False, **meta)
                 return launch
@@ -563,9 +566,10 @@ def test_add_norm_and_finish_launch_plainly_under_programmatic_launch(monkeypatc
     gen = torch.Generator().manual_seed(0)
     y, res, w, b = (torch.randn(2, 64, generator=gen) for _ in range(4))
     bias = torch.randn(64, generator=gen)
-    for allowed in (False, True):
+    for allowed, late in ((False, False), (True, False), (False, True)):
         monkeypatch.setattr(tc, "ADD_NORM_PDL", allowed)
         monkeypatch.setattr(tc, "FINISH_PDL", allowed)
+        monkeypatch.setenv(tc.NORM_LAUNCH_ENV, "late" if late else "plain")
         launches.clear()
         h, n = tc.add_norm(y, res, w[0], b[0], 1e-5)
         want_h, want_n = ref.add_norm(y, res, w[0], b[0], 1e-5)
@@ -574,8 +578,12 @@ def test_add_norm_and_finish_launch_plainly_under_programmatic_launch(monkeypatc
         tc.add_norm_sums(y.clone(), bias, res, w[0], None, 1e-5, clean=False)
         out = tc.finish(y, bias, torch.float32)
         torch.testing.assert_close(out, y + bias)
-        assert launches == [("_add_norm_kernel", allowed, allowed)] * 2 \
-            + [("_finish_kernel", allowed, allowed)]
+        on = allowed or late
+        assert launches == [("_add_norm_kernel", on, on, late)] * 2 \
+            + [("_finish_kernel", on, on, late)]
+    monkeypatch.setenv(tc.NORM_LAUNCH_ENV, "early")
+    with pytest.raises(ValueError, match="DEJAVU_NORM_LAUNCH='early'"):
+        tc.finish(y, bias, torch.float32)
 
 
 def test_programmatic_launch_is_the_default_where_it_can_be(monkeypatch):
@@ -919,6 +927,10 @@ def _step_launches() -> list[dict]:
         with mock.patch.dict(os.environ, {tc.STORE_ROWS_ENV: "1"}):
             call()
 
+    def late(call):
+        with mock.patch.dict(os.environ, {tc.NORM_LAUNCH_ENV: "late"}):
+            call()
+
     def space(gated=False, norm=False):
         extra = ops.norm_numel(1, d_out) if norm else 0
         return torch.zeros(ops.workspace_numel(1, d_out, k, gated) + extra)
@@ -965,6 +977,12 @@ def _step_launches() -> list[dict]:
         # the row-storing forms (``DEJAVU_STORE_ROWS=1``)
         lambda: stored(lambda: sparse_mlp.sparse_mlp(x, idx, w1, None, None, w2_t, b, "relu")),
         lambda: stored(lambda: heads.sparse_head_proj(x, head_idx, wq, bq, hd)),
+        # the add-norm and finish kernels starting their successor last
+        # (``DEJAVU_NORM_LAUNCH=late``): the MLP's norm from its sums, a query projection
+        lambda: late(lambda: sparse_mlp.sparse_mlp(x, idx, w1, None, None, w2_t, b, "relu",
+                                                   workspace=space(False, True),
+                                                   norm=(res, nw, nb, 1e-5))),
+        lambda: late(lambda: heads.sparse_head_proj(x, head_idx, wq, bq, hd)),
     ]
     with mock.patch.object(InterpretedFunction, "run", record):
         for call in calls:
@@ -1008,11 +1026,13 @@ for launch in json.load(open(sys.argv[1])):
                          options={"num_warps": launch["num_warps"],
                                   "num_stages": launch["num_stages"]}).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
-    writes = [i for i in (ptx.find("st.global"), ptx.find("atom.global"), ptx.find("red.global"))
-              if i >= 0]
+    writes = [(ptx.find(w), ptx.rfind(w)) for w in ("st.global", "atom.global", "red.global")
+              if w in ptx]
     print(json.dumps({"name": launch["name"], "after": const.get("AFTER", False),
+                      "late": const.get("LATE", False),
                       "waits": ptx.count("griddepcontrol.wait"), "wait": wait,
-                      "write": min(writes) if writes else -1,
+                      "write": min(w[0] for w in writes) if writes else -1,
+                      "last_write": max(w[1] for w in writes) if writes else -1,
                       "start": ptx.find("griddepcontrol.launch_dependents")}))
 """
 
@@ -1028,7 +1048,8 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
     own arguments and tiles), compiled here for an sm_90 GPU with ``PDL`` on (Triton's own
     ptxas, no GPU needed), waits, has no global store or atomic before its first wait, and
     no start of its successor before it, but the up kernel's after the op's zero-fill
-    (``AFTER``: what its successor loads early is older than that plain launch)."""
+    (``AFTER``: what its successor loads early is older than that plain launch); the add-norm
+    and finish kernels under ``DEJAVU_NORM_LAUNCH=late`` start it after their last store."""
     import json
     import subprocess
     import sys
@@ -1048,10 +1069,12 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
                      "_bucket_kernel", "_add_norm_kernel", "_finish_kernel",
                      "_up_store_kernel", "_head_proj_store_kernel"}, names
     assert {c["name"] for c in compiled if c["after"]} == {"_up_kernel"}
+    assert {c["name"] for c in compiled if c["late"]} == {"_add_norm_kernel", "_finish_kernel"}
     for c in compiled:
         assert c["waits"] >= 1, c
         assert c["write"] == -1 or c["write"] > c["wait"], c
         assert c["start"] >= 0 and (c["start"] < c["wait"]) == c["after"], c
+        assert not c["late"] or c["start"] > c["last_write"] > 0, c
 
 
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
