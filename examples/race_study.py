@@ -46,7 +46,7 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
   compiled to wait before its first load (this PyTorch's codegen patched for the compile).
   Inductor waits before a load only when the kernel it scheduled just before writes the
   buffer (``early_loads`` lists the kernels that load before their wait, for each compile;
-  ``waitless`` those that store before it or have none);
+  ``never_wait`` those launched programmatically with none);
 - ``norm programmatic inductor plain`` and ``norm programmatic inductor waits`` (each
   compiled again): those two with the add-norm and finish kernels launched programmatically,
   as before the fix (whether it is Inductor's kernels those two go wrong beside);
@@ -316,24 +316,22 @@ def early_loads(codes: list[str]) -> list[str]:
     return found
 
 
-def waitless(codes: list[str]) -> list[str]:
-    """The Triton kernels in Inductor's ``codes`` launched programmatically (``launch_pdl``
-    in their ``triton_meta``) that store before their ``gdc_wait`` or never wait. Inductor
-    writes a wait after a kernel's first load, or before a store only into what the kernel
-    before reads or writes (``_handle_pdl_before_access``), so a kernel that loads nothing
-    (a fill, an ``arange``) may have none. Such a kernel can start once the kernel before it
-    lets it, and finish before that one has: the kernel after it then waits for it alone,
-    while each kernel's reasoning (ours and Inductor's) that what is older than its
-    predecessor has finished holds only if every kernel waits."""
+def never_wait(codes: list[str]) -> list[str]:
+    """The Triton kernels in Inductor's ``codes`` launched programmatically (``launch_pdl`` in
+    their ``triton_meta``) that never wait. Inductor writes its wait after a kernel's first
+    load, before anything after an extern kernel (a dejavu op: its scheduler has no node
+    before then), and before a store only into what the node before reads or writes, so a
+    kernel that loads nothing after one of its own may have none. Such a kernel can finish
+    before the kernel before it has: the kernel after it then waits for it alone, while
+    every kernel's loads before its wait (ours and Inductor's) take what is older than its
+    predecessor as finished. (A store before the wait is safe: only the kernel before may
+    still run then, and Inductor knows what that one touches.)"""
     found = []
     for code in codes:
         for match in re.finditer(r"async_compile\.triton\('(\w+)', '''(.*?)'''", code, re.S):
             name, source = match.groups()
-            if "'launch_pdl': True" not in source:
-                continue
-            wait = source.find("gdc_wait")
-            writes = [i for i in (source.find("tl.store"), source.find("tl.atomic_")) if i >= 0]
-            if (wait < 0 or (writes and min(writes) < wait)) and name not in found:
+            if ("'launch_pdl': True" in source and "gdc_wait" not in source
+                    and name not in found):
                 found.append(name)
     return found
 
@@ -478,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
                 for i, code in enumerate(codes):
                     (folder / f"{name.replace(' ', '_')}_{i}.py").write_text(code)
             print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}; "
-                  f"stores before it or never waits: {waitless(codes) or 'none'}", flush=True)
+                  f"never waits: {never_wait(codes) or 'none'}", flush=True)
 
         def runs(name: str, forward: Callable) -> None:
             for r in range(args.repeats):

@@ -531,9 +531,9 @@ def triton_poi_plain(out_ptr0, xnumel, XBLOCK : tl.constexpr):
 """
 
 
-def test_race_study_lists_the_kernels_that_store_before_their_wait_or_never_wait():
-    """``race_study.waitless`` names the kernels launched programmatically that never wait or
-    store before their wait, and neither one that waits before it stores nor one launched
+def test_race_study_lists_the_kernels_that_never_wait():
+    """``race_study.never_wait`` names the kernels launched programmatically that never wait,
+    and neither one that waits (before its first store or after it) nor one launched
     plainly; the variants that launch the add-norm and finish kernels programmatically
     beside Inductor's kernels plain or waiting first, or with no memory they read reused,
     are compiled with those options and inside those patches (the last keeps every tensor
@@ -544,9 +544,9 @@ def test_race_study_lists_the_kernels_that_store_before_their_wait_or_never_wait
     study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
     waits = _KERNELS.replace("'''\n@triton.jit", "'''\n@p(triton_meta={'launch_pdl': True})"
                              "\n@triton.jit")
-    assert waits.count("'launch_pdl': True") == 2  # both wait before they store
-    assert study.waitless([_PDL_KERNELS, waits]) == ["triton_poi_fill", "triton_poi_store_first"]
-    assert study.waitless([waits]) == []
+    assert waits.count("'launch_pdl': True") == 2  # both wait
+    assert study.never_wait([_PDL_KERNELS, waits]) == ["triton_poi_fill"]
+    assert study.never_wait([waits]) == []
     before = (codegen.TritonKernel._handle_pdl_before_access, triton_common.ADD_NORM_PDL,
               triton_common.FINISH_PDL)
     for name, plain in (("norm programmatic inductor plain", True),
