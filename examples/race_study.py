@@ -46,7 +46,8 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
   compiled to wait before its first load (this PyTorch's codegen patched for the compile).
   Inductor waits before a load only when the kernel it scheduled just before writes the
   buffer (``early_loads`` lists the kernels that load before their wait, for each compile;
-  ``never_wait`` those launched programmatically with none);
+  ``never_wait`` those launched programmatically with none, and ``unguarded_after_ops``
+  those right after a dejavu op that touch memory before it);
 - ``norm programmatic inductor plain`` and ``norm programmatic inductor waits`` (each
   compiled again): those two with the add-norm and finish kernels launched programmatically,
   as before the fix (whether it is Inductor's kernels those two go wrong beside);
@@ -336,6 +337,39 @@ def never_wait(codes: list[str]) -> list[str]:
     return found
 
 
+def after_ops(codes: list[str]) -> dict[str, bool]:
+    """Inductor's kernels launched programmatically right after a dejavu op (the next launch
+    in the wrapper's code), each with whether it loads or stores anything before its wait.
+    The kernels of a dejavu op let their successor start once they have waited, before they
+    read their inputs and write their outputs, so the launch after the op must wait before it
+    touches memory; Inductor's codegen does (its scheduler has no node before a kernel that
+    follows an extern one), and this checks that it did."""
+    found: dict[str, bool] = {}
+    for code in codes:
+        sources = dict(re.findall(r"async_compile\.triton\('(\w+)', '''(.*?)'''", code, re.S))
+        after_op = False
+        for line in code.splitlines():
+            launch = re.search(r"\b(triton_\w+)\.run\(", line)
+            if "torch.ops.dejavu." in line:
+                after_op = True
+            elif launch:
+                source = sources.get(launch.group(1), "")
+                if after_op and "'launch_pdl': True" in source:
+                    first = min([i for i in (source.find("tl.load"), source.find("tl.store"))
+                                 if i >= 0], default=len(source))
+                    early = not 0 <= source.find("gdc_wait") < first
+                    found[launch.group(1)] = found.get(launch.group(1), False) or early
+                after_op = False
+            elif "extern_kernels." in line or "torch.ops." in line:
+                after_op = False
+    return found
+
+
+def unguarded_after_ops(codes: list[str]) -> list[str]:
+    """The kernels of ``after_ops`` that touch memory before their wait."""
+    return [name for name, early in after_ops(codes).items() if early]
+
+
 @contextlib.contextmanager
 def _inductor_waits_first() -> Iterator[None]:
     """Inductor's Triton kernels compiled with their ``gdc_wait`` before their first load or
@@ -476,7 +510,8 @@ def main(argv: list[str] | None = None) -> None:
                 for i, code in enumerate(codes):
                     (folder / f"{name.replace(' ', '_')}_{i}.py").write_text(code)
             print(f"  {name:14s} loads before the wait: {early_loads(codes) or 'none'}; "
-                  f"never waits: {never_wait(codes) or 'none'}", flush=True)
+                  f"never waits: {never_wait(codes) or 'none'}; after a dejavu op, touches "
+                  f"memory before the wait: {unguarded_after_ops(codes) or 'none'}", flush=True)
 
         def runs(name: str, forward: Callable) -> None:
             for r in range(args.repeats):

@@ -581,6 +581,37 @@ def test_race_study_lists_the_kernels_that_never_wait():
     torch.testing.assert_close(out, acc.half())
 
 
+def test_race_study_finds_a_kernel_after_a_dejavu_op_that_touches_memory_before_its_wait():
+    """``race_study.after_ops``: of the launches in Inductor's code, the kernels launched
+    programmatically right after a dejavu op, the one that loads before its wait marked
+    (``unguarded_after_ops`` names it); one after a kernel of Inductor's or a cuBLAS call,
+    and one launched plainly, are not among them."""
+    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    kernels = _KERNELS.replace("'''\n@triton.jit",
+                               "'''\n@p(triton_meta={'launch_pdl': True})\n@triton.jit")
+    assert kernels.count("'launch_pdl': True") == 2
+    call = """
+    def call(self, args):
+        buf1 = torch.ops.dejavu.sparse_mlp_norm.default(buf0, arg1_1)
+        buf2 = buf1[0]
+        del buf1
+        triton_poi_early.run(buf2, buf3, 64, stream=stream0)
+        triton_poi_early.run(buf3, buf4, 64, stream=stream0)
+        buf5 = torch.ops.dejavu.sparse_head_proj.default(buf4, arg2_1)
+        triton_poi_late.run(buf5, buf6, 64, stream=stream0)
+        buf7 = torch.ops.dejavu.gemv.default(buf6, arg3_1)
+        extern_kernels.mm(buf7, arg4_1, out=buf8)
+        triton_poi_early.run(buf8, buf9, 64, stream=stream0)
+        buf10 = torch.ops.dejavu.gemv.default(buf9, arg3_1)
+        triton_poi_plain.run(buf10, 64, stream=stream0)
+"""
+    code = kernels + _PDL_KERNELS + call
+    assert study.after_ops([code]) == {"triton_poi_early": True, "triton_poi_late": False}
+    assert study.unguarded_after_ops([code]) == ["triton_poi_early"]
+    first = "triton_poi_early.run(buf2"
+    assert study.unguarded_after_ops([code.replace(first, "triton_poi_late.run(buf2")]) == []
+
+
 def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     """``race_study.variants``: inside each, what it names is changed (the lazy launch wrapped,
     the lazy kernel's ``pdl_meta`` or ``step_config`` replaced, the heads grid chosen, every

@@ -595,6 +595,18 @@ def _ranked_by_bias(profile_path) -> None:
     save_file(tensors, str(file))
 
 
+def _race_study():
+    """``examples/race_study.py``, imported as a module (its ``main`` not run)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "race_study.py"
+    spec = importlib.util.spec_from_file_location("example_race_study", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
     """The bench's ``dejavu_captured_qkv_ipdl_pdl`` step on a small OPT (lazy K/V, the query
@@ -604,7 +616,8 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
     successors programmatically (its code holds ``gdc_wait``; without the option it does not),
     and the replayed step, every dejavu kernel launched programmatically beside them, gives the
     logits of the step without the option, to the tolerance of fp16 sums added in another
-    order (atomics)."""
+    order (atomics). Every Inductor kernel waits, and one launched right after a dejavu op
+    waits before it touches memory."""
     from dejavu_compile.bench import random_profile
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -630,6 +643,10 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
     kernels = [k for c in codes[True] for k in c.split("async_compile.triton(")[1:]]
     assert kernels and all(marker in k for k in kernels), [
         k[:80] for k in kernels if marker not in k]
+    # and the launch right after a dejavu op (whose kernels let their successor start before
+    # they read and write) waits before it touches memory
+    after_ops = _race_study().after_ops(codes[True])
+    assert after_ops and not any(after_ops.values()), after_ops
     counters = dejavu_compile.report(model).counters
     if arch == "opt":
         assert counters.get("fuse_qkv", 0) >= 5
