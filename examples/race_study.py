@@ -301,6 +301,14 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
                                                  {triton_common.NORM_LAUNCH_ENV: "late"})}
 
 
+def _kernel_sources(codes: list[str]) -> list[tuple[str, str]]:
+    """(name, source) of each Triton kernel in Inductor's ``codes`` (``run_and_get_code``'s):
+    the source its ``async_compile.triton`` call compiles, its ``triton_meta`` included."""
+    return [match.groups() for code in codes
+            for match in re.finditer(r"async_compile\.triton\('(\w+)', '''(.*?)'''", code,
+                                     re.S)]
+
+
 def early_loads(codes: list[str]) -> list[str]:
     """The Triton kernels in Inductor's ``codes`` (``run_and_get_code``'s) that load before
     their ``gdc_wait``: under programmatic launch Inductor waits before a load only when the
@@ -308,12 +316,10 @@ def early_loads(codes: list[str]) -> list[str]:
     (``TritonKernel._handle_pdl_before_access``), so such a load may run while that kernel
     does."""
     found = []
-    for code in codes:
-        for match in re.finditer(r"def (triton_\w+)\(.*?\n(.*?)(?='''|\Z)", code, re.S):
-            body = match.group(2)
-            wait, load = body.find("gdc_wait"), body.find("tl.load")
-            if 0 <= load < wait and match.group(1) not in found:
-                found.append(match.group(1))
+    for name, source in _kernel_sources(codes):
+        wait, load = source.find("gdc_wait"), source.find("tl.load")
+        if 0 <= load < wait and name not in found:
+            found.append(name)
     return found
 
 
@@ -328,12 +334,9 @@ def never_wait(codes: list[str]) -> list[str]:
     predecessor as finished. (A store before the wait is safe: only the kernel before may
     still run then, and Inductor knows what that one touches.)"""
     found = []
-    for code in codes:
-        for match in re.finditer(r"async_compile\.triton\('(\w+)', '''(.*?)'''", code, re.S):
-            name, source = match.groups()
-            if ("'launch_pdl': True" in source and "gdc_wait" not in source
-                    and name not in found):
-                found.append(name)
+    for name, source in _kernel_sources(codes):
+        if "'launch_pdl': True" in source and "gdc_wait" not in source and name not in found:
+            found.append(name)
     return found
 
 
@@ -346,7 +349,7 @@ def after_ops(codes: list[str]) -> dict[str, bool]:
     follows an extern one), and this checks that it did."""
     found: dict[str, bool] = {}
     for code in codes:
-        sources = dict(re.findall(r"async_compile\.triton\('(\w+)', '''(.*?)'''", code, re.S))
+        sources = dict(_kernel_sources([code]))
         after_op = False
         for line in code.splitlines():
             launch = re.search(r"\b(triton_\w+)\.run\(", line)
