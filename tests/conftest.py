@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+from pathlib import Path
 
 # Triton kernels run on CPU through the interpreter (read when kernels are decorated, so before
 # dejavu_compile is imported). A GPU run sets TRITON_INTERPRET=0 to test the compiled kernels.
@@ -84,3 +86,11 @@ def tiny():
 def prompt(batch: int = 1, length: int = 7, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=gen)
+
+
+def load_example(path: Path):
+    """The example at ``path``, imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ import dejavu_compile
 from dejavu_compile import calibrate as cal
 from dejavu_compile import load_profile
 
-from .conftest import VOCAB, prompt
+from .conftest import VOCAB, load_example, prompt
 from .test_backend import _decode_logits
 
 
@@ -148,13 +150,7 @@ def test_predictor_recovers_a_planted_pattern(weighted):
 def test_predictor_trains_with_a_given_loss():
     """``loss_fn`` replaces the binary loss: called on each batch's scores, labels (the top
     half) and magnitudes |h|; a pairwise ranking loss learns the planted pattern too."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "predictor_study", Path(__file__).parents[1] / "examples" / "predictor_study.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = load_example(Path(__file__).parents[1] / "examples" / "predictor_study.py")
     gen = torch.Generator().manual_seed(0)
     d, n, tokens = 32, 64, 4096
     mixing = torch.randn(n, 4, generator=gen) @ torch.randn(4, d, generator=gen)

@@ -4,12 +4,13 @@ studies need a GPU and the demo minutes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from .conftest import load_example
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.py"))
 
@@ -18,17 +19,9 @@ def test_there_are_examples():
     assert {"demo.py", "quickstart.py", "host_study.py"} <= {p.name for p in EXAMPLES}
 
 
-def _load(path: Path):
-    """The example at ``path``, imported as a module (its ``main`` not run)."""
-    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_imports(path):
-    module = _load(path)
+    module = load_example(path)
     assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
 
 
@@ -40,7 +33,7 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
     import torch
     from dejavu_compile.kernels import heads
 
-    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "qkv_study.py")
     n_heads, hd, d = 4, 8, 32
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3 * n_heads * hd, d, generator=gen)
@@ -69,7 +62,7 @@ def test_qkv_study_stacked_selection_is_the_three_projections():
 def test_qkv_study_names_the_lazy_tiles_it_ran():
     """``examples/qkv_study.py`` prints, from the autotuner's choices, the grid and tile the
     lazy launches ran for each key: the shipped file's keys (D, HD, MATS, SEL, then dtypes)."""
-    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "qkv_study.py")
     shipped = json.loads((Path(__file__).parents[1] / "kernels" / "tuned" / "NVIDIA_H200.json"
                           ).read_text())["tuned"]["lazy_kv._decode_kernel"]
     lines = study.lazy_choices(shipped)
@@ -86,7 +79,7 @@ def test_qkv_study_selectors_pick_what_their_predictors_score_highest():
     scores highest (ReLU on the biased first layer)."""
     from dejavu_compile.profile import default_buckets
 
-    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "qkv_study.py")
     x = torch.randn(1, 1, 48, generator=torch.Generator().manual_seed(2))
     selectors = study.Selectors(x, 512, 0.25, 6, 0.5, rank=8,
                                 generator=torch.Generator().manual_seed(3))
@@ -109,7 +102,7 @@ def test_qkv_study_missing_state_makes_the_lazy_launch_fill_each_call():
     import torch.nn.functional as F
     from dejavu_compile.kernels import kv_state, lazy_kv
 
-    study = _load(Path(__file__).parents[1] / "examples" / "qkv_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "qkv_study.py")
     n_layers, n_heads, length, hd, d, pos = 2, 4, 12, 8, 32, 7
     gen = torch.Generator().manual_seed(1)
     idx = torch.tensor([[[0, 2, 3]]])
@@ -158,7 +151,7 @@ def test_gemv_study_chain_is_the_layers_projections_in_turn():
     import torch.nn.functional as F
     from dejavu_compile.kernels import dense
 
-    study = _load(Path(__file__).parents[1] / "examples" / "gemv_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "gemv_study.py")
     weights = study.chain_weights(3, 24, 4, 2, 6, "cpu", dtype=torch.float32)
     assert [tuple(w.shape) for w in weights[0]] == [((4 + 2 * 2) * 6, 24), (24, 4 * 6)]
     x = torch.randn(1, 1, 24, generator=torch.Generator().manual_seed(1))
@@ -182,7 +175,7 @@ def test_tile_study_pairs_pins_both_mlp_kernels_and_ranks_the_pairs(monkeypatch)
 
     from dejavu_compile import bench
 
-    study = _load(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
     up_t, down_t = sparse_mlp._up_kernel, sparse_mlp._down_kernel
     tiles = {k: [triton.Config({"BLOCK_N": n, "BLOCK_D": 16, "TILES": t}, num_warps=1)
                  for n, t in ((8, 1), (16, 2), (32, 1))] for k in ("up", "down")}
@@ -227,7 +220,7 @@ def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
     alone)."""
     from dejavu_compile.kernels import tuning
 
-    study = _load(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
     tuners = tuning.autotuners()
     for name in study.KERNELS.values():
         monkeypatch.setattr(tuners[name], "cache", {("old", name): None})
@@ -259,7 +252,7 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
 
     from dejavu_compile.kernels import tuning
 
-    study = _load(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
     monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
     monkeypatch.chdir(tmp_path)
 
@@ -327,7 +320,7 @@ def test_host_study_checks_its_modes_and_cpus_before_it_needs_a_gpu():
     process may not run on, is refused by name before any model is built."""
     import os
 
-    study = _load(Path(__file__).parents[1] / "examples" / "host_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "host_study.py")
     study.check_args(["hf_compiled", "dejavu_captured_qkv_pdl"], sorted(os.sched_getaffinity(0)))
     with pytest.raises(SystemExit, match=r"unknown mode\(s\) \['dejavu_nope'\]"):
         study.main(["--modes", "hf_compiled", "dejavu_nope"])
@@ -345,7 +338,7 @@ def test_host_study_times_a_captured_dejavu_step_on_the_cpu(tmp_path):
 
     import transformers as tf
 
-    study = _load(Path(__file__).parents[1] / "examples" / "host_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "host_study.py")
     cfg = tf.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=3,
                        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32)
     torch.manual_seed(0)
@@ -364,7 +357,7 @@ def test_host_study_times_a_replay_in_its_parts():
     """``host_study.parts`` does a ``CapturedStep``'s replay as its call does (the arguments
     copied into the capture's, every graph replayed in order, the capture's output returned),
     timing each part; a call with nothing captured is left to the step itself."""
-    study = _load(Path(__file__).parents[1] / "examples" / "host_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "host_study.py")
     from dejavu_compile import CapturedStep
 
     replayed = []
@@ -392,7 +385,7 @@ def test_host_study_times_a_replay_in_its_parts():
 def test_graph_launch_study_checks_its_arguments_before_it_needs_a_gpu():
     """``graph_launch_study``: sizes below one and CPUs this process may not run on are
     refused by name; the forked graphs and the long chains hold the same kernels."""
-    study = _load(Path(__file__).parents[1] / "examples" / "graph_launch_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "graph_launch_study.py")
     with pytest.raises(SystemExit, match="--layers"):
         study.main(["--layers", "0"])
     with pytest.raises(SystemExit, match="--side"):
@@ -409,7 +402,7 @@ def test_race_study_finds_rows_written_one_position_away():
     """``race_study``'s comparison: a cache row off the reference's is found at its position and
     counted as holding the next position's row when it does; rows the run left zero (heads the
     selector skipped) are not compared; logits off name their steps, counters their layers."""
-    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
     gen = torch.Generator().manual_seed(0)
     ref_k, ref_v = torch.randn(1, 3, 8, 4, generator=gen), torch.randn(1, 3, 8, 4, generator=gen)
     k, v = ref_k.clone(), ref_v.clone()
@@ -434,7 +427,7 @@ def test_race_study_lazy_step_matches_dense_kv_on_the_cpu(tmp_path, capsys):
     uncaptured lazy K/V step gives the logits, cache rows and counters of the step with dense
     K/V, and its arguments are checked before anything is built; ``main`` runs it so, and
     with ``--code`` writes Inductor's code of its compile (the wrapper and its calls)."""
-    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
     model = study.small_opt(2, 32, 4, "cpu")
     tokens = torch.randint(0, 512, (1, study.PROMPT + 3),
                            generator=torch.Generator().manual_seed(1))
@@ -489,7 +482,7 @@ def test_race_study_lists_the_kernels_that_load_before_their_wait():
 
     from torch._inductor.codegen import triton as codegen
 
-    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
     assert study.early_loads([_KERNELS]) == ["triton_poi_early"]
     assert study.early_loads([_KERNELS.split("y = ")[1]]) == []
     lines = []
@@ -541,7 +534,7 @@ def test_race_study_lists_the_kernels_that_never_wait():
     from dejavu_compile.kernels import sparse_mlp, triton_common
     from torch._inductor.codegen import triton as codegen
 
-    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
     waits = _KERNELS.replace("'''\n@triton.jit", "'''\n@p(triton_meta={'launch_pdl': True})"
                              "\n@triton.jit")
     assert waits.count("'launch_pdl': True") == 2  # both wait
@@ -586,7 +579,7 @@ def test_race_study_finds_a_kernel_after_a_dejavu_op_that_touches_memory_before_
     programmatically right after a dejavu op, the one that loads before its wait marked
     (``unguarded_after_ops`` names it); one after a kernel of Inductor's or a cuBLAS call,
     and one launched plainly, are not among them."""
-    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
     kernels = _KERNELS.replace("'''\n@triton.jit",
                                "'''\n@p(triton_meta={'launch_pdl': True})\n@triton.jit")
     assert kernels.count("'launch_pdl': True") == 2
@@ -623,7 +616,7 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     from dejavu_compile.kernels import bucket_select, decode_attention, lazy_kv, triton_common
     from triton.runtime.jit import JITFunction
 
-    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
     modules = (bucket_select, decode_attention, lazy_kv, triton_common)
 
     def norm_state():
@@ -679,7 +672,7 @@ def test_race_study_plain_launches_only_the_named_kernels():
 
     from triton.runtime.jit import JITFunction
 
-    study = _load(Path(__file__).parents[1] / "examples" / "race_study.py")
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
     seen = []
 
     def record(self, *args, grid, warmup, **kwargs):

@@ -7,6 +7,7 @@ the masked reference's logits."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 import dejavu_compile
 from dejavu_compile import bench
 
-from .conftest import ARCHS, deterministic_algorithms, prompt
+from .conftest import ARCHS, deterministic_algorithms, load_example, prompt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -595,18 +596,6 @@ def _ranked_by_bias(profile_path) -> None:
     save_file(tensors, str(file))
 
 
-def _race_study():
-    """``examples/race_study.py``, imported as a module (its ``main`` not run)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "examples" / "race_study.py"
-    spec = importlib.util.spec_from_file_location("example_race_study", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("arch", ["opt", "llama"])
 def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
     """The bench's ``dejavu_captured_qkv_ipdl_pdl`` step on a small OPT (lazy K/V, the query
@@ -645,7 +634,8 @@ def test_inductor_pdl_in_the_captured_step(tmp_path, arch):
         k[:80] for k in kernels if marker not in k]
     # and the launch right after a dejavu op (whose kernels let their successor start before
     # they read and write) waits before it touches memory
-    after_ops = _race_study().after_ops(codes[True])
+    study = load_example(Path(__file__).parents[1] / "examples" / "race_study.py")
+    after_ops = study.after_ops(codes[True])
     assert after_ops and not any(after_ops.values()), after_ops
     counters = dejavu_compile.report(model).counters
     if arch == "opt":
