@@ -991,11 +991,12 @@ def _step_launches() -> list[dict]:
 
 
 _COMPILE_LAUNCHES = """
-import importlib, inspect, json, sys
+import importlib, inspect, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+from triton.tools.disasm import get_sass
 
 done = set()
 for launch in json.load(open(sys.argv[1])):
@@ -1022,10 +1023,16 @@ for launch in json.load(open(sys.argv[1])):
             sig[p.name] = "i64" if abs(v) >= 2 ** 31 else "i32"
         else:
             sig[p.name] = "fp32"
-    ptx = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+    asm = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": launch["num_warps"],
-                                  "num_stages": launch["num_stages"]}).asm["ptx"]
+                                  "num_stages": launch["num_stages"]}).asm
+    ptx = asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
+    # the machine code ptxas made of it: its wait is ACQBULK, its successor's start PREEXIT
+    sass = [line.split(None, 1)[-1] for line in get_sass(asm["cubin"]).splitlines()
+            if line.rstrip().endswith(";")]
+    acq = next((i for i, line in enumerate(sass) if line.startswith("ACQBULK")), len(sass))
+    ops = [re.match(r"(@!?U?P[T0-9]+ )?([A-Z]+)", line).group(2) for line in sass[:acq]]
     writes = [(ptx.find(w), ptx.rfind(w)) for w in ("st.global", "atom.global", "red.global")
               if w in ptx]
     print(json.dumps({"name": launch["name"], "after": const.get("AFTER", False),
@@ -1033,7 +1040,15 @@ for launch in json.load(open(sys.argv[1])):
                       "waits": ptx.count("griddepcontrol.wait"), "wait": wait,
                       "write": min(w[0] for w in writes) if writes else -1,
                       "last_write": max(w[1] for w in writes) if writes else -1,
-                      "start": ptx.find("griddepcontrol.launch_dependents")}))
+                      "start": ptx.find("griddepcontrol.launch_dependents"),
+                      "loads": ptx[:wait].count("ld.global"),
+                      "sass_waits": sum(line.startswith("ACQBULK") for line in sass),
+                      "sass_loads": ops.count("LDG"),
+                      "sass_writes": sum(op in ("STG", "ATOM", "ATOMG", "RED", "REDG")
+                                         for op in ops),
+                      "sass_start": next((i for i, line in enumerate(sass)
+                                          if line.startswith("PREEXIT")), -1),
+                      "sass_wait": acq}))
 """
 
 
@@ -1049,7 +1064,9 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
     ptxas, no GPU needed), waits, has no global store or atomic before its first wait, and
     no start of its successor before it, but the up kernel's after the op's zero-fill
     (``AFTER``: what its successor loads early is older than that plain launch); the add-norm
-    and finish kernels under ``DEJAVU_NORM_LAUNCH=late`` start it after their last store."""
+    and finish kernels under ``DEJAVU_NORM_LAUNCH=late`` start it after their last store. The
+    machine code ptxas makes of each keeps that order (its ``ACQBULK`` and ``PREEXIT``): the
+    same global loads before the wait as the PTX, and no store or atomic before it."""
     import json
     import subprocess
     import sys
@@ -1075,6 +1092,10 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
         assert c["write"] == -1 or c["write"] > c["wait"], c
         assert c["start"] >= 0 and (c["start"] < c["wait"]) == c["after"], c
         assert not c["late"] or c["start"] > c["last_write"] > 0, c
+        # and ptxas kept that order: no load moved above the wait, no store or atomic before it
+        assert c["sass_waits"] >= 1 and c["sass_writes"] == 0, c
+        assert c["sass_loads"] == c["loads"], c
+        assert c["sass_start"] >= 0 and (c["sass_start"] < c["sass_wait"]) == c["after"], c
 
 
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
