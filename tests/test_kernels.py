@@ -1031,8 +1031,9 @@ for launch in json.load(open(sys.argv[1])):
     # the machine code ptxas made of it: its wait is ACQBULK, its successor's start PREEXIT
     sass = [line.split(None, 1)[-1] for line in get_sass(asm["cubin"]).splitlines()
             if line.rstrip().endswith(";")]
-    acq = next((i for i, line in enumerate(sass) if line.startswith("ACQBULK")), len(sass))
-    ops = [re.match(r"(@!?U?P[T0-9]+ )?([A-Z]+)", line).group(2) for line in sass[:acq]]
+    ops = [re.match(r"(@!?U?P[T0-9]+ )?([A-Z]+)", line).group(2) for line in sass]
+    acq = ops.index("ACQBULK") if "ACQBULK" in ops else len(ops)
+    stores = [i for i, op in enumerate(ops) if op in ("STG", "ATOM", "ATOMG", "RED", "REDG")]
     writes = [(ptx.find(w), ptx.rfind(w)) for w in ("st.global", "atom.global", "red.global")
               if w in ptx]
     print(json.dumps({"name": launch["name"], "after": const.get("AFTER", False),
@@ -1042,12 +1043,11 @@ for launch in json.load(open(sys.argv[1])):
                       "last_write": max(w[1] for w in writes) if writes else -1,
                       "start": ptx.find("griddepcontrol.launch_dependents"),
                       "loads": ptx[:wait].count("ld.global"),
-                      "sass_waits": sum(line.startswith("ACQBULK") for line in sass),
-                      "sass_loads": ops.count("LDG"),
-                      "sass_writes": sum(op in ("STG", "ATOM", "ATOMG", "RED", "REDG")
-                                         for op in ops),
-                      "sass_start": next((i for i, line in enumerate(sass)
-                                          if line.startswith("PREEXIT")), -1),
+                      "sass_waits": ops.count("ACQBULK"),
+                      "sass_loads": ops[:acq].count("LDG"),
+                      "sass_writes": sum(i < acq for i in stores),
+                      "sass_last_write": max(stores, default=-1),
+                      "sass_start": ops.index("PREEXIT") if "PREEXIT" in ops else -1,
                       "sass_wait": acq}))
 """
 
@@ -1066,7 +1066,8 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
     (``AFTER``: what its successor loads early is older than that plain launch); the add-norm
     and finish kernels under ``DEJAVU_NORM_LAUNCH=late`` start it after their last store. The
     machine code ptxas makes of each keeps that order (its ``ACQBULK`` and ``PREEXIT``): the
-    same global loads before the wait as the PTX, and no store or atomic before it."""
+    same global loads before the wait as the PTX, no store or atomic before it, and the late
+    start after the last store."""
     import json
     import subprocess
     import sys
@@ -1096,6 +1097,7 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
         assert c["sass_waits"] >= 1 and c["sass_writes"] == 0, c
         assert c["sass_loads"] == c["loads"], c
         assert c["sass_start"] >= 0 and (c["sass_start"] < c["sass_wait"]) == c["after"], c
+        assert not c["late"] or c["sass_start"] > c["sass_last_write"] > 0, c
 
 
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
