@@ -764,7 +764,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_gemv_pdl", "dejavu_captured_ahead_nogemv_pdl",
          "dejavu_captured_qkv_nogemv_pdl", "dejavu_captured_qkv_normlate_pdl",
          "dejavu_captured_ahead_normlate_pdl",
-         "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl")
+         "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
+         "dejavu_captured_qkv_selattn_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -922,6 +923,12 @@ _DEJAVU_MODES = {
                                                                  "merge_attention": True}),
     "dejavu_captured_ahead_merge_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                    "merge_attention": True}),
+    # OPT-13B's default step with each decode attention computing only the heads its output
+    # projection selects (option decode_selected_heads): at head density 0.5 half the KV
+    # cache is read by the split and combine kernels, 211 and 89 us a step after the kernel
+    # before in the forty-third session's breakdown (a cache of 129-256 positions)
+    "dejavu_captured_qkv_selattn_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                   "decode_selected_heads": True}),
     # OPT-13B's and Llama-3-8B's default steps with the add-norm and finish kernels launched
     # programmatically, each starting its successor after its last store
     # (triton_common.NORM_LAUNCH_ENV "late"; kernel_switches): plain since the forty-fifth

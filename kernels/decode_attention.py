@@ -16,7 +16,16 @@ chunks itself and step 2 is not launched: each program counts itself done for it
 the last of them merges the group's chunks and sets the count back to zero. A decode step has
 one launch fewer per layer.
 
-The cache is read exactly once. Reference: ``kernels/reference.py::decode_attention``.
+Given ``heads`` (ids of the query heads to compute, from the output projection's selection:
+the lower pass's option ``decode_selected_heads``), ``_split_heads_kernel`` and
+``_combine_heads_kernel`` do the same over those heads only: program (sequence x slot of the
+ids, chunk) attends with its slot's query head over that head's KV head, so the cache of a KV
+head no named head reads is not read at all, and one more program per sequence zeroes the
+output rows of the heads not named (in the combine launch, or in the split kernel when it
+merges).
+
+Without ``heads`` the cache is read exactly once. Reference:
+``kernels/reference.py::decode_attention``.
 """
 
 from __future__ import annotations
@@ -85,6 +94,60 @@ def _fitting(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_L"] <= named_args["CHUNK"]] or configs[:1]
 
 
+@triton.jit
+def _attend_chunk(q_row, k_base, v_base, mask_row, rows, mask_g, offs_d, mask_d, start, end,
+                  scale, sq_h, sk_l, sv_l, HAS_MASK: tl.constexpr, GP: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
+    """The unnormalised output, running maximum and sum ([GP, BLOCK_D], [GP], [GP] fp32) of
+    query rows ``q_row + rows * sq_h`` (those in ``mask_g``) over keys ``start .. end - 1``
+    of one KV head, walked in blocks of ``BLOCK_L`` with an online softmax."""
+    q = tl.load(q_row + rows[:, None] * sq_h + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q = q.to(tl.float32) * scale
+    if not IEEE:
+        q = q.to(k_base.dtype.element_ty)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    s_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    for lo in range(start, end, BLOCK_L):
+        offs_l = lo + tl.arange(0, BLOCK_L)
+        mask_l = offs_l < end
+        if HAS_MASK:  # positions the sequence may not attend to (padding, unfilled cache)
+            mask_l &= tl.load(mask_row + offs_l, mask=mask_l, other=0) != 0
+        kv_mask = mask_l[:, None] & mask_d[None, :]
+        k = tl.load(k_base + offs_l[:, None] * sk_l + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            k = k.to(tl.float32)  # fp32 caches: no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_L], fp32
+        s = tl.where(mask_l[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        s_sum = s_sum * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_l[:, None] * sv_l + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return acc, m, s_sum
+
+
+@triton.jit
+def _store_partials(o_ptr, m_ptr, l_ptr, part, rows, mask_g, offs_d, mask_d, acc, m, s_sum,
+                    GP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Partials laid out [groups, splits, GP, BLOCK_D] and [groups, splits, GP], ``part`` the
+    (group, chunk) slot: only the rows in ``mask_g`` (the padding rows are never read)."""
+    tl.store(o_ptr + (part * GP + rows[:, None]) * BLOCK_D + offs_d[None, :], acc,
+             mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(m_ptr + part * GP + rows, m, mask=mask_g)
+    tl.store(l_ptr + part * GP + rows, s_sum, mask=mask_g)
+
+
 # L_BUCKET (the cache length rounded up to a power of two) keys the tuning, so a cache that
 # grows by one position a step does not retune every step
 @triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH", "CHUNK", "MERGE"],
@@ -107,51 +170,15 @@ def _split_kernel(
     rows = tl.arange(0, GP)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g, mask_d = rows < G, offs_d < D
-    # query heads kvh * G .. kvh * G + G - 1 share this KV head
-    q = tl.load(q_ptr + b * sq_b + (kvh * G + rows[:, None]) * sq_h + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    q = q.to(tl.float32) * scale
-    if not IEEE:
-        q = q.to(k_ptr.dtype.element_ty)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    s_sum = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, BLOCK_D], tl.float32)
     start = chunk * CHUNK
-    end = tl.minimum(start + CHUNK, L)
-    k_base = k_ptr + b * sk_b + kvh * sk_h
-    v_base = v_ptr + b * sv_b + kvh * sv_h
-    for lo in range(start, end, BLOCK_L):
-        offs_l = lo + tl.arange(0, BLOCK_L)
-        mask_l = offs_l < end
-        if HAS_MASK:  # positions the sequence may not attend to (padding, unfilled cache)
-            mask_l &= tl.load(mask_ptr + b * smask_b + offs_l, mask=mask_l, other=0) != 0
-        kv_mask = mask_l[:, None] & mask_d[None, :]
-        k = tl.load(k_base + offs_l[:, None] * sk_l + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            k = k.to(tl.float32)  # fp32 caches: no TF32 rounding
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_L], fp32
-        s = tl.where(mask_l[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with nothing visible
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        s_sum = s_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_l[:, None] * sv_l + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-    # partials laid out [B * KVH, splits, GP, BLOCK_D] and [B * KVH, splits, GP]
-    # (only the group's G real query heads: the padding rows are never read)
-    part = bh * splits + chunk
-    tl.store(o_ptr + (part * GP + rows[:, None]) * BLOCK_D + offs_d[None, :], acc,
-             mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(m_ptr + part * GP + rows, m, mask=mask_g)
-    tl.store(l_ptr + part * GP + rows, s_sum, mask=mask_g)
+    # query heads kvh * G .. kvh * G + G - 1 share this KV head
+    acc, m, s_sum = _attend_chunk(
+        q_ptr + b * sq_b + kvh * G * sq_h, k_ptr + b * sk_b + kvh * sk_h,
+        v_ptr + b * sv_b + kvh * sv_h, mask_ptr + b * smask_b, rows, mask_g, offs_d, mask_d,
+        start, tl.minimum(start + CHUNK, L), scale, sq_h, sk_l, sv_l, HAS_MASK, GP, BLOCK_D,
+        BLOCK_L, IEEE)
+    _store_partials(o_ptr, m_ptr, l_ptr, bh * splits + chunk, rows, mask_g, offs_d, mask_d, acc,
+                    m, s_sum, GP, BLOCK_D)
     if MERGE:
         # every thread's stores before the count (its release); the last program's count
         # (its acquire) before its loads, which read the other programs' partials from L2
@@ -160,6 +187,78 @@ def _split_kernel(
             _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, bh, splits, G, 0, kvh * G,
                           D, so_h, GP, GR, BLOCK_D, BLOCK_S)
             tl.atomic_xchg(cnt_ptr + bh, 0)  # zero again for the next call
+
+
+@triton.jit
+def _selected_head(ids_ptr, b, slot, S, H, stride_ids):
+    """Query head ``slot`` of sequence ``b``'s selection and whether it names one (-1 pads,
+    and ``slot`` S is the program that zeroes the heads not named)."""
+    head = tl.load(ids_ptr + b * stride_ids + slot, mask=slot < S, other=-1)
+    ok = (head >= 0) & (head < H)
+    return tl.where(ok, head, 0).to(tl.int32), ok
+
+
+@triton.jit
+def _zero_unnamed(ids_row, out_b, S, H, D, so_h, BLOCK_IDS: tl.constexpr,
+                  BLOCK_HZ: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Zeros in the output rows of every query head that the ids at ``ids_row`` do not name,
+    ``BLOCK_HZ`` heads a store."""
+    offs_s = tl.arange(0, BLOCK_IDS)
+    ids = tl.load(ids_row + offs_s, mask=offs_s < S, other=-1)
+    offs_d = tl.arange(0, BLOCK_D)
+    for h0 in range(0, H, BLOCK_HZ):
+        offs_h = h0 + tl.arange(0, BLOCK_HZ)
+        named = tl.sum((ids[None, :] == offs_h[:, None]).to(tl.int32), 1)
+        rest = (offs_h < H) & (named == 0)
+        tl.store(out_b + offs_h[:, None] * so_h + offs_d[None, :],
+                 tl.zeros([BLOCK_HZ, BLOCK_D], dtype=out_b.dtype.element_ty),
+                 mask=rest[:, None] & (offs_d < D)[None, :])
+
+
+@triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "S", "CHUNK", "MERGE"],
+                 prune_configs_by={"early_config_prune": _fitting})
+@triton.jit
+def _split_heads_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, ids_ptr, o_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr,
+    L, L_BUCKET, G, H, D, S, SLOTS, CHUNK, scale,
+    sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, smask_b, stride_ids, so_b, so_h,
+    HAS_MASK: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    IEEE: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_IDS: tl.constexpr,
+    BLOCK_HZ: tl.constexpr, PDL: tl.constexpr,
+):
+    """``_split_kernel`` over a selection's query heads (``heads``): program (sequence x slot
+    of its ``S`` ids, chunk) attends with the one query head its slot names, over that head's
+    KV head; a slot naming none (-1) computes nothing. With ``MERGE`` each sequence has one
+    slot more (``SLOTS``), whose first program zeroes the output rows of the heads not named,
+    and the last program of each slot merges its chunks (``cnt_ptr``, one counter a slot)."""
+    wait_inputs(PDL)  # the query, the ids and the cache are the kernels' before
+    pid, chunk = tl.program_id(0), tl.program_id(1)
+    splits = tl.num_programs(1)
+    b, slot = pid // SLOTS, pid % SLOTS
+    head, ok = _selected_head(ids_ptr, b, slot, S, H, stride_ids)
+    kvh = head // G
+    rows = tl.arange(0, GP)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g, mask_d = (rows < 1) & ok, offs_d < D
+    start = chunk * CHUNK
+    acc, m, s_sum = _attend_chunk(
+        q_ptr + b * sq_b + head * sq_h, k_ptr + b * sk_b + kvh * sk_h,
+        v_ptr + b * sv_b + kvh * sv_h, mask_ptr + b * smask_b, rows, mask_g, offs_d, mask_d,
+        start, tl.where(ok, tl.minimum(start + CHUNK, L), start), scale, sq_h, sk_l, sv_l,
+        HAS_MASK, GP, BLOCK_D, BLOCK_L, IEEE)
+    group = b * S + slot
+    _store_partials(o_ptr, m_ptr, l_ptr, group * splits + chunk, rows, mask_g, offs_d, mask_d,
+                    acc, m, s_sum, GP, BLOCK_D)
+    if MERGE:
+        if ok:
+            tl.debug_barrier()  # as _split_kernel's
+            if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == splits - 1:
+                _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, group, splits, 1, 0, head,
+                              D, so_h, GP, 1, BLOCK_D, BLOCK_S)
+                tl.atomic_xchg(cnt_ptr + group, 0)
+        if (slot == S) & (chunk == 0):
+            _zero_unnamed(ids_ptr + b * stride_ids, out_ptr + b * so_b, S, H, D, so_h,
+                          BLOCK_IDS, BLOCK_HZ, BLOCK_D)
 
 
 @triton.jit
@@ -216,6 +315,28 @@ def _combine_kernel(
                   tl.program_id(1) * GR, (bh % KVH) * G, D, so_h, GP, GR, BLOCK_D, BLOCK_S)
 
 
+@triton.jit
+def _combine_heads_kernel(
+    o_ptr, m_ptr, l_ptr, ids_ptr, out_ptr,
+    H, D, S, SPLITS, stride_ids, so_b, so_h,
+    GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_IDS: tl.constexpr,
+    BLOCK_HZ: tl.constexpr, PDL: tl.constexpr,
+):
+    # program (sequence x slot of its S ids, and one more): ``_split_heads_kernel``'s slot
+    # merged into the row of the head it names; the last program of each sequence zeroes the
+    # rows of the heads not named
+    wait_inputs(PDL)  # the partials are the split kernel's, the kernel before
+    pid = tl.program_id(0)
+    b, slot = pid // (S + 1), pid % (S + 1)
+    head, ok = _selected_head(ids_ptr, b, slot, S, H, stride_ids)
+    if ok:
+        _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, b * S + slot, SPLITS, 1, 0, head,
+                      D, so_h, GP, 1, BLOCK_D, BLOCK_S)
+    if slot == S:
+        _zero_unnamed(ids_ptr + b * stride_ids, out_ptr + b * so_b, S, H, D, so_h, BLOCK_IDS,
+                      BLOCK_HZ, BLOCK_D)
+
+
 # fp32 partials ``_merge_chunks`` holds at once: 64 registers a thread at 4 warps
 MERGE_VALUES = 8192
 # query heads per program of the combine launch
@@ -227,23 +348,42 @@ def merge_block(splits: int, group: int, block_d: int) -> int:
     return max(1, min(triton.next_power_of_2(splits), MERGE_VALUES // (group * block_d)))
 
 
+# the heads one store of ``_zero_unnamed`` zeroes
+ZERO_HEADS = 16
+
+
+def _operands(q, k, v, mask):
+    """q, k and v with contiguous rows of head_dim (another layout is copied first: the lower
+    pass hands the kernel the model's own tensors, whose layout the model chose), and the bool
+    mask as bytes: read in place (no copy launch; a Llama-3-8B step spent 69 us in 32 such
+    copies on an H200) when its keys are contiguous, as a decode step's mask is."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if mask is not None:
+        mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.to(torch.uint8).contiguous()
+    return q, k, v, mask
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     counters: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launcher of ``torch.ops.dejavu.decode_attention``.
 
     q: [B, H, 1, D]; k, v: [B, KVH, L, D] (the last dimension contiguous), H a multiple of KVH;
-    mask: None or bool [B, L] (True: attend); counters: None, or int32 [>= B * KVH], zero, given
-    back zero (one launch instead of two, see the module doc); returns [B, H, 1, D] in q's
-    dtype.
+    mask: None or bool [B, L] (True: attend); counters: None, or int32 [>= B * KVH, or with
+    ``heads`` >= B * S], zero, given back zero (one launch instead of two, see the module
+    doc); heads: None, or int ids [..., S] (B rows or one) of the query heads to compute
+    (``_heads``);
+    returns [B, H, 1, D] in q's dtype.
     """
     check_dtype("decode_attention", q, k, v)
-    check_decode(q, k, v, mask, counters)  # the op's checks: its CUDA kernel replaces its body
+    # the op's checks: its CUDA kernel replaces its body
+    check_decode(q, k, v, mask, counters, heads)
+    if heads is not None:
+        return _heads(q, k, v, scale, mask, counters, heads)
     b, h, _, d = q.shape
     kvh, length = k.shape[1], k.shape[2]
-    # the kernel reads rows of head_dim contiguous values: another layout is copied first (the
-    # lower pass hands it the model's own tensors, whose layout the model chose)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v, mask = _operands(q, k, v, mask)
     g = h // kvh
     gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
     gr = triton.next_power_of_2(g)
@@ -252,10 +392,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     part_o = torch.empty(b * kvh * splits * gp * block_d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    if mask is not None:
-        # the bool mask read as bytes in place (no copy launch; a Llama-3-8B step spent 69 us in
-        # 32 such copies on an H200) when its keys are contiguous, as a decode step's mask is
-        mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.to(torch.uint8).contiguous()
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     merge = counters is not None
     _split_kernel[(b * kvh, splits)](
@@ -275,5 +411,47 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         g, d, kvh, splits, out.stride(0), out.stride(1),
         GP=gp, GR=COMBINE_ROWS, BLOCK_D=block_d,
         BLOCK_S=merge_block(splits, COMBINE_ROWS, block_d), num_warps=4, **pdl_meta(),
+    )
+    return out
+
+
+def _heads(q, k, v, scale, mask, counters, heads):
+    """``decode_attention`` of the query heads ``heads`` names only (option
+    ``decode_selected_heads``, where the output projection reads no other): a program set per
+    slot of the ids, each over its head's KV head, so the cache of a head not named is never
+    read; the output rows of those heads are zeros. A KV head is read once per named query
+    head of its group (the lower pass asks for this only where fewer query heads are named than
+    there are KV heads)."""
+    b, h, _, d = q.shape
+    length = k.shape[2]
+    q, k, v, mask = _operands(q, k, v, mask)
+    ids = heads.reshape(-1, heads.shape[-1]).contiguous()
+    s, stride_ids = ids.shape[1], 0 if ids.shape[0] == 1 else ids.stride(0)
+    gp, block_d = 16, max(16, triton.next_power_of_2(d))  # one query row a program
+    chunk, splits = chunking(b * s, length)
+    part_o = torch.empty(b * s * splits * gp * block_d, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(b * s * splits * gp, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    merge = counters is not None
+    slots = s + 1 if merge else s  # merging: the zeroes' slot is the split kernel's
+    sizes = {"BLOCK_D": block_d, "BLOCK_S": merge_block(splits, 1, block_d),
+             "BLOCK_IDS": triton.next_power_of_2(s), "BLOCK_HZ": ZERO_HEADS}
+    _split_heads_kernel[(b * slots, splits)](
+        q, k, v, mask if mask is not None else q, ids, part_o, part_m, part_l,
+        counters if merge else part_m, out,
+        length, triton.next_power_of_2(length), h // k.shape[1], h, d, s, slots, chunk, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
+        stride_ids, out.stride(0), out.stride(1),
+        HAS_MASK=mask is not None, GP=gp, IEEE=_fp32_dots(k.dtype), MERGE=merge, **sizes,
+        **pdl_meta(),
+    )
+    if merge:
+        return out
+    _combine_heads_kernel[(b * (s + 1),)](
+        part_o, part_m, part_l, ids, out,
+        h, d, s, splits, stride_ids, out.stride(0), out.stride(1),
+        GP=gp, **sizes, num_warps=4, **pdl_meta(),
     )
     return out

@@ -38,18 +38,22 @@ def _(scores, budget, sinks, window, smooth):
 @torch.library.custom_op("dejavu::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
+                     counters: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token's attention over its KV cache, grouped-query heads read once per KV
     head: q [B, H, 1, D], k / v [B, KVH, L, D], mask None or bool [B, L] (True: attend) ->
     [B, H, 1, D]. On CUDA the split-K Triton kernel of ``kernels/decode_attention.py``; every
     mode of ``dejavu bench --kv`` reads its cache through it. ``counters`` (int32 zeros, at
-    least B * KVH; the lower pass attaches them) let that kernel merge its chunks in the same
-    launch; the result is the same without them."""
-    check_decode(q, k, v, mask, counters)
-    return ref.decode_attention(q, k, v, scale, mask)
+    least B * KVH, or B * S with ``heads``; the lower pass attaches them) let that kernel merge
+    its chunks in the same launch; the result is the same without them. ``heads`` (int ids
+    [..., S], a row per sequence or one for the batch, -1 for none; option
+    ``decode_selected_heads``): only the query heads named are computed, and the other heads'
+    output rows are zeros."""
+    check_decode(q, k, v, mask, counters, heads)
+    return ref.decode_attention(q, k, v, scale, mask, heads)
 
 
-def check_decode(q, k, v, mask, counters=None) -> None:
+def check_decode(q, k, v, mask, counters=None, heads=None) -> None:
     if q.dim() != 4 or q.shape[2] != 1 or k.shape[:3] != v.shape[:3] \
             or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} must be [B, H, 1, D] with H a "
@@ -57,15 +61,25 @@ def check_decode(q, k, v, mask, counters=None) -> None:
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (k.shape[0], k.shape[2])):
         raise ValueError(f"decode_attention: mask must be bool [B, L] = {(k.shape[0], k.shape[2])}, "
                          f"got {mask.dtype} {tuple(mask.shape)}")
+    slots = k.shape[1]
+    if heads is not None:
+        rows = heads.numel() // heads.shape[-1] if heads.dim() and heads.shape[-1] else 0
+        if heads.dtype not in (torch.int64, torch.int32) or heads.dim() < 1 \
+                or heads.shape[-1] < 1 or rows not in (1, q.shape[0]) or heads.device != q.device:
+            raise ValueError(f"decode_attention: heads must be int64 or int32 ids [..., S] with "
+                             f"S >= 1 and B = {q.shape[0]} rows or one, on {q.device}, got "
+                             f"{heads.dtype} {tuple(heads.shape)} on {heads.device}")
+        slots = heads.shape[-1]
     if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1
-                                 or counters.numel() < k.shape[0] * k.shape[1]
+                                 or counters.numel() < k.shape[0] * slots
                                  or counters.device != q.device):
-        raise ValueError(f"decode_attention: counters must be int32 [>= B * KVH = "
-                         f"{k.shape[0] * k.shape[1]}] on {q.device}, got {counters.dtype} "
+        what = "S (the heads' ids)" if heads is not None else "KVH"
+        raise ValueError(f"decode_attention: counters must be int32 [>= B * {what} = "
+                         f"{k.shape[0] * slots}] on {q.device}, got {counters.dtype} "
                          f"{tuple(counters.shape)} on {counters.device}")
 
 
 @decode_attention.register_fake
-def _(q, k, v, scale, mask=None, counters=None):
-    check_decode(q, k, v, mask, counters)
+def _(q, k, v, scale, mask=None, counters=None, heads=None):
+    check_decode(q, k, v, mask, counters, heads)
     return torch.empty_like(q)

@@ -311,19 +311,35 @@ def kv_select(scores: torch.Tensor, budget: int, sinks: int, window: int, smooth
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None,
+                     heads: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its KV cache.
 
     q: [B, H, 1, D]; k, v: [B, KVH, L, D], H a multiple of KVH (grouped-query heads: query head
     h reads KV head h // (H / KVH)); mask: None or bool [B, L], True where the sequence may
-    attend; softmax in fp32; returns [B, H, 1, D] in q's dtype."""
+    attend; heads: None, or ids [..., S] of the query heads to compute (``named_heads``),
+    the others' rows zero; softmax in fp32; returns [B, H, 1, D] in q's dtype."""
     group = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(group, 1).to(torch.promote_types(k.dtype, torch.float32))
     vv = v.repeat_interleave(group, 1).to(kk.dtype)
     s = (q.to(kk.dtype) @ kk.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
-    return (s.softmax(-1) @ vv).to(q.dtype)
+    out = (s.softmax(-1) @ vv).to(q.dtype)
+    if heads is None:
+        return out
+    named = named_heads(heads, q.shape[0], q.shape[1])
+    return torch.where(named[:, :, None, None], out, torch.zeros((), dtype=out.dtype))
+
+
+def named_heads(heads: torch.Tensor, batch: int, n_heads: int) -> torch.Tensor:
+    """[batch, n_heads] bool: the heads each sequence's row of ``heads`` (ids [..., S]: a row
+    per sequence, or one for all) names; -1 and ids past ``n_heads`` name none. On the ids'
+    device, without a copy to the host."""
+    ids = heads.reshape(-1, heads.shape[-1]).to(torch.int64)
+    ids = torch.where((ids >= 0) & (ids < n_heads), ids, n_heads)  # none: a spare column
+    named = torch.zeros(ids.shape[0], n_heads + 1, dtype=torch.bool, device=ids.device)
+    return named.scatter_(1, ids, True)[:, :n_heads].expand(batch, n_heads)
 
 
 def id_rows(idx: torch.Tensor, batch: int) -> torch.Tensor:

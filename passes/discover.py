@@ -143,7 +143,7 @@ def _is_identity(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target == "contiguous"
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in VIEW_METHODS
     return node.op == "call_function" and node.target in VIEW_FUNCTIONS
@@ -236,7 +236,7 @@ def _match_attention(sdpa: fx.Node, gm, ctx: PassContext) -> tuple[dict | None, 
             return dict(q=q, k=k, v=v, o=o, attention=sdpa, num_heads=num_heads,
                         num_kv_heads=k.weight.shape[0] // head_dim, head_dim=head_dim,
                         tokens=q_val.shape[2]), ""
-        if not _is_view(user):
+        if not is_view(user):
             break
         node = user
     return None, "attention output does not reach one output projection through reshapes"

@@ -73,7 +73,7 @@ from .context import (
     is_op,
     set_val,
 )
-from .discover import SDPA_TARGETS
+from .discover import SDPA_TARGETS, is_view
 
 # weight -> (its version counter when re-laid out, the [in, out] copy)
 _RELAYOUT = WeakIdKeyDictionary()
@@ -567,6 +567,72 @@ def decode_attention(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
         ctx.counters.add("decode_attention")
 
 
+def _head_out_reader(node: fx.Node) -> tuple[fx.Node | None, bool]:
+    """The ``sparse_head_out`` (or ``_norm``) op that reads ``node``'s value through a chain of
+    views (the attention's transpose and reshape), or None; and whether nothing else reads
+    that value on the way."""
+    alone = True
+    while True:
+        outs = [u for u in node.users if u.args and u.args[0] is node
+                and (is_op(u, "sparse_head_out") or is_op(u, "sparse_head_out_norm"))]
+        alone = alone and len(node.users) == 1
+        if outs:
+            return outs[0], alone
+        views = [u for u in node.users if is_view(u) and u.args[0] is node]
+        if len(views) != 1:
+            return None, False
+        node = views[0]
+
+
+def _heads_reason(node: fx.Node, order: dict) -> tuple[fx.Node | None, str]:
+    """The ids of the heads that the output projection reading ``node`` (a
+    ``dejavu::decode_attention``) selects, when the attention need compute only those; else
+    None and why not ("" where no head-gathered projection reads the attention)."""
+    q, k = (fake_value(a) for a in node.args[:2])
+    out, alone = _head_out_reader(node)
+    if out is None:
+        return None, ""  # no head selection to take
+    if not alone:
+        return None, "attention output read by more than its output projection"
+    idx, head_dim = out.args[1], out.args[4]
+    normed = is_op(out, "sparse_head_out_norm")
+    at = 5 + 4 * normed
+    union = out.args[at] if len(out.args) > at else out.kwargs.get("union", False)
+    idx_val = fake_value(idx) if isinstance(idx, fx.Node) else None
+    if not isinstance(idx_val, torch.Tensor) or order.get(idx, len(order)) > order[node]:
+        return None, "ids computed after the attention"
+    if not _same(head_dim, q.shape[3]):
+        return None, "output projection's units are not the attention's heads"
+    if union and not statically_known_true(q.shape[0] == 1):
+        return None, "a batch's union selection"
+    if not statically_known_true(idx_val.shape[-1] < k.shape[1]):
+        return None, "no fewer selected heads than KV heads"
+    return idx, ""
+
+
+def selected_heads(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Option ``decode_selected_heads``: each ``dejavu::decode_attention`` whose output only a
+    head-gathered output projection reads (through the heads' transpose and reshape) gets that
+    projection's ids, and computes those heads only: the cache of a head not selected is not
+    read (paper section 3: the heads not selected are not computed at all). Where fewer heads
+    are selected than there are KV heads (a KV head is read once per selected query head of
+    its group); counted in ``decode_selected_heads``, or ``decode_selected_heads_skipped[why]``
+    for an attention with a head selection that it cannot take."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        if not is_op(node, "decode_attention") or len(node.args) > 6 \
+                or "heads" in node.kwargs:
+            continue
+        idx, why = _heads_reason(node, order)
+        if idx is None:
+            if why:
+                ctx.counters.add(f"decode_selected_heads_skipped[{why}]")
+            continue
+        args = list(node.args) + [None] * (6 - len(node.args))
+        node.args = (*args, idx)
+        ctx.counters.add("decode_selected_heads")
+
+
 def workspaces(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """Give each sparse MLP and head-gathered output projection on CUDA with per-row ids a
     workspace: fp32 zeros, a constant of the graph, that its kernels add into and leave zero
@@ -921,6 +987,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dense_gemv(gm, ctx, fused_from, cuda_only=ctx.options.dense_gemv is None)
     if ctx.options.decode_attention != "never":
         decode_attention(gm, ctx, fake_mode)
+        if ctx.options.decode_selected_heads:
+            selected_heads(gm, ctx)
     if ctx.options.fuse_norm:
         fuse_norms(gm, ctx, fake_mode)
     if ctx.options.workspaces:

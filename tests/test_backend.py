@@ -383,6 +383,54 @@ def test_decode_attention_takes_the_decode_steps_sdpa(tiny, arch, static):
         assert all(not c.get("decode_attention") for c, _ in default)
 
 
+@pytest.mark.parametrize("arch,selector,density,why", [
+    ("opt", "fixed", 0.5, None),  # 2 of 4 heads, one per KV head
+    ("llama", "fixed", 0.25, None),  # 1 of 4 heads, groups of 2
+    ("llama", "fixed", 0.5, "no fewer selected heads than KV heads"),
+    ("opt", "oracle", 0.5, "attention output read by more than its output projection"),
+])
+def test_decode_attention_computes_the_selected_heads_only(tiny, arch, selector, density, why):
+    """Option ``decode_selected_heads``: each decode step's ``dejavu::decode_attention`` gets
+    the ids its output projection reads, and the logits are those of the step that computes
+    every head; where it cannot (as many selected heads as KV heads, or the oracle's, which
+    reads the attention's output to pick the heads) the call is left as it is and the report
+    says why."""
+    from dejavu_compile.passes.context import is_op
+
+    def run(selected: bool):
+        torch._dynamo.reset()
+        seen = []
+
+        def backend(gm, example_inputs):
+            out = dejavu_compile.backend.dejavu_backend(
+                gm, example_inputs, options={
+                    "selector": selector, "mlp_density": 0.5, "attention_density": density,
+                    "decode_attention": "always", "decode_selected_heads": selected,
+                    "inner": "eager"})
+            seen.append((dict(dejavu_compile.backend._REPORTS[-1].counters),
+                         [n for n in gm.graph.nodes if is_op(n, "decode_attention")]))
+            return out
+
+        with torch.no_grad():
+            logits = _static_decode_logits(torch.compile(tiny(arch), backend=backend), prompt(),
+                                           steps=3)
+        return logits, seen
+
+    got, seen = run(True)
+    want, _ = run(False)
+    torch.testing.assert_close(got, want, **FP32)
+    counters, calls = seen[-1]
+    layers = 2
+    assert len(calls) == layers
+    if why is None:
+        assert counters.get("decode_selected_heads") == layers, counters
+        assert all(len(n.args) == 7 and isinstance(n.args[6], torch.fx.Node) for n in calls)
+    else:
+        assert counters.get(f"decode_selected_heads_skipped[{why}]") == layers, counters
+        assert not counters.get("decode_selected_heads")
+        assert all(len(n.args) == 6 for n in calls)
+
+
 class _Attend(torch.nn.Module):
     """One SDPA call on its inputs, as a decode step makes it (keys repeated per query head)."""
 

@@ -443,6 +443,34 @@ def test_fused_query_matches_the_lazy_step():
     torch.testing.assert_close(runs[True], want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merged"])
+def test_selected_heads_attention_matches_every_head(merge):
+    """Option ``decode_selected_heads`` on a small OPT's lazy step with the query in the lazy
+    K/V launch (the fixed selector at heads 0.5, replayed through ``CapturedStep``): each
+    layer's decode attention computes the 8 heads of 16 that its output projection reads, and
+    the logits are those of the step that computes all 16, to the tolerance of fp16 sums over
+    other chunks of the cache; so with the chunks merged in the split kernel (option
+    ``merge_attention``) as with a combine launch."""
+    model = _small_opt(6)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(7))
+    runs = {}
+    for selected in (False, True):
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={"selector": "fixed", "mlp_density": 0.25,
+                                     "attention_density": 0.5, "lazy_kv": True,
+                                     "cudagraphs": False, "merge_attention": merge,
+                                     "decode_selected_heads": selected})
+        _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+        runs[selected] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
+                                                24)
+    counters = dejavu_compile.report(model).counters  # both runs' graphs
+    assert counters.get("decode_selected_heads", 0) >= 5, counters
+    want = runs[False]
+    torch.testing.assert_close(runs[True], want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
 def test_programmatic_launch_in_the_captured_lazy_step():
     """The bench's ``dejavu_captured_lazy_pdl`` step on a small OPT: lazy K/V, replayed through
     ``CapturedStep``, with ``DEJAVU_PDL=1`` gives the logits of the same step launched plainly,

@@ -476,6 +476,62 @@ def test_decode_attention_kernel(dtype, batch, heads, kv_heads, length, head_dim
                                _ref64(ref.decode_attention, q, k, v, scale), **TOL[dtype])
 
 
+class _PoisonedEmpty:
+    """``torch`` for a module under test, but ``empty`` gives floating tensors full of NaN: a
+    kernel that leaves any of its output unwritten, or reads working memory it did not write,
+    shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,length,head_dim,k", [
+    (1, 4, 4, 37, 12, 2),   # one query head per KV head, odd sizes
+    (2, 6, 3, 70, 16, 2),   # groups of 2: each named head reads its group's KV head
+    (1, 8, 8, 300, 16, 3),  # many chunks
+    (2, 5, 5, 1, 8, 1),     # one cached position, one head named
+])
+def test_decode_attention_kernel_over_selected_heads(monkeypatch, dtype, batch, heads, kv_heads,
+                                                     length, head_dim, k):
+    """With ``heads`` (option ``decode_selected_heads``) the kernels compute the named query
+    heads only: their rows are the reference's, every other row is zero, though each buffer
+    the launcher allocates starts as NaN; for ids per sequence (one of them -1, naming none),
+    one row of ids shared by the batch (1-d too), with a key mask, and with the chunks merged
+    in the split kernel on counters given back zero."""
+    monkeypatch.setattr(decode_attention, "torch", _PoisonedEmpty())
+    q = _rand(batch, heads, 1, head_dim, dtype=dtype, seed=0) * head_dim ** 0.5
+    kk = _rand(batch, kv_heads, length, head_dim, dtype=dtype, seed=1) * head_dim ** 0.5
+    v = _rand(batch, kv_heads, length, head_dim, dtype=dtype, seed=2)
+    scale = head_dim ** -0.5
+    ids = _selection(batch, heads, k, seed=4)
+    if k > 1:
+        ids[0, -1] = -1
+    mask = torch.ones(batch, length, dtype=torch.bool, device=DEVICE)
+    mask[:, : length // 3] = False
+    counters = torch.zeros(batch * k + 1, dtype=torch.int32, device=DEVICE)
+    for sel, m, c in ((ids, None, None), (ids[:1], mask, None), (ids[0], None, None),
+                      (ids, mask, counters)):
+        want = _ref64(ref.decode_attention, q, kk, v, scale, m, sel)
+        got = decode_attention.decode_attention(q, kk, v, scale, m, c, sel)
+        assert got.dtype == dtype and got.shape == want.shape
+        named = ref.named_heads(sel, batch, heads)
+        assert named.sum() < batch * heads and not got[~named].any()
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+        assert not counters.any()
+    with pytest.raises(ValueError, match="heads must be int64 or int32 ids"):
+        decode_attention.decode_attention(q, kk, v, scale, None, None, ids.float())
+    with pytest.raises(ValueError, match="heads must be"):
+        decode_attention.decode_attention(q, kk, v, scale, None, None, ids[:, :0])
+    with pytest.raises(ValueError, match="counters must be int32 .>= B . S"):
+        decode_attention.decode_attention(q, kk, v, scale, None, counters[: batch * k - 1], ids)
+
+
 def test_decode_attention_merges_chunks_in_blocks(monkeypatch):
     """A long cache's chunks are merged a few at a time (here 2 in the split kernel, which
     merges both rows of a group, so 300 keys take 10 rounds of the merge's loop; 4 in the
@@ -966,6 +1022,17 @@ def _step_launches() -> list[dict]:
                                                   r(1, 2, 20, hd, seed=15),
                                                   r(1, 2, 20, hd, seed=16), hd ** -0.5,
                                                   counters=torch.zeros(2, dtype=torch.int32)),
+        # over the selected heads (option ``decode_selected_heads``), with a combine launch and
+        # merged in the split kernel
+        lambda: decode_attention.decode_attention(r(1, heads_, 1, hd, seed=14),
+                                                  r(1, heads_, 20, hd, seed=15),
+                                                  r(1, heads_, 20, hd, seed=16), hd ** -0.5,
+                                                  heads=head_idx),
+        lambda: decode_attention.decode_attention(r(1, heads_, 1, hd, seed=14),
+                                                  r(1, heads_, 20, hd, seed=15),
+                                                  r(1, heads_, 20, hd, seed=16), hd ** -0.5,
+                                                  counters=torch.zeros(2, dtype=torch.int32),
+                                                  heads=head_idx),
         lambda: lazy_kv.lazy_qkv(x, head_idx, wq, bq, wq, bq, wq, bq, keys, values,
                                  torch.tensor([3])),
         lambda: lazy_kv.lazy_kv(x, head_idx, wq, bq, wq, bq, keys, values, torch.tensor([4])),
@@ -1083,7 +1150,8 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
     assert names >= {"_up_kernel", "_down_kernel", "_up_union_kernel", "_down_union_kernel",
                      "_head_proj_kernel", "_head_out_kernel", "_head_out_cols_kernel",
                      "_head_proj_union_kernel", "_head_out_union_kernel", "_split_kernel",
-                     "_combine_kernel", "_lazy_kv_kernel", "_gemv_kernel", "_hidden_kernel",
+                     "_combine_kernel", "_split_heads_kernel", "_combine_heads_kernel",
+                     "_lazy_kv_kernel", "_gemv_kernel", "_hidden_kernel",
                      "_bucket_kernel", "_add_norm_kernel", "_finish_kernel",
                      "_up_store_kernel", "_head_proj_store_kernel"}, names
     assert {c["name"] for c in compiled if c["after"]} == {"_up_kernel"}
