@@ -382,6 +382,21 @@ def test_host_study_times_a_replay_in_its_parts():
     assert set(split) == {"key", "copy", "replay"} and all(v >= 0 for v in split.values())
 
 
+def test_decode_attention_bench_checks_its_selection_before_it_needs_a_gpu(capsys):
+    """``decode_attention_bench --heads F`` names a fraction of the shape's query heads, at
+    least one; a fraction outside (0, 1] is refused by name before any GPU work."""
+    bench = load_example(Path(__file__).parents[1] / "examples" / "decode_attention_bench.py")
+    args = bench.parse(["1024", "4096", "--shape", "opt", "--heads", "0.5"])
+    assert (args.contexts, args.shape, args.heads) == ([1024, 4096], "opt", 0.5)
+    assert bench.selected_count(bench.SHAPES["opt"][0], 0.5) == 20
+    assert bench.selected_count(bench.SHAPES["llama"][0], 0.01) == 1
+    assert bench.parse([]).heads is None
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            bench.parse(["--heads", bad])
+        assert "--heads must be in (0, 1]" in capsys.readouterr().err
+
+
 def test_graph_launch_study_checks_its_arguments_before_it_needs_a_gpu():
     """``graph_launch_study``: sizes below one and CPUs this process may not run on are
     refused by name; the forked graphs and the long chains hold the same kernels."""
