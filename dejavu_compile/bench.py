@@ -765,7 +765,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_nogemv_pdl", "dejavu_captured_qkv_normlate_pdl",
          "dejavu_captured_ahead_normlate_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
-         "dejavu_captured_qkv_selattn_pdl")
+         "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -929,6 +929,10 @@ _DEJAVU_MODES = {
     # before in the forty-third session's breakdown (a cache of 129-256 positions)
     "dejavu_captured_qkv_selattn_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                    "decode_selected_heads": True}),
+    # and with each selected head's chunks merged by its last program in the split kernel
+    # (option merge_attention): no combine launch
+    "dejavu_captured_qkv_selattn_merge_pdl": (True, True, BUCKET_UNITS, {
+        **_CAPTURED_QKV, "decode_selected_heads": True, "merge_attention": True}),
     # OPT-13B's and Llama-3-8B's default steps with the add-norm and finish kernels launched
     # programmatically, each starting its successor after its last store
     # (triton_common.NORM_LAUNCH_ENV "late"; kernel_switches): plain since the forty-fifth
