@@ -127,15 +127,15 @@ class DejavuOptions:
         114 us for split and combine launches, and the step 5.57 against 5.35 ms (4.54 against
         4.43 back to back). Bench mode ``dejavu_merge`` turns it on.
     decode_selected_heads: a decode step's ``dejavu::decode_attention`` computes only the
-        heads that its head-gathered output projection selects (paper section 3: a head not
-        selected is not computed at all), reading only their part of the KV cache; the other
-        heads' outputs, which nothing reads, are zeros. Applies where that projection alone
-        reads the attention's output through views, its ids are computed before the attention,
-        fewer heads are selected than there are KV heads (a KV head is read once per selected
-        query head of its group) and no batch's union selection is used; counted in
+        KV groups of the heads that its head-gathered output projection selects (paper section
+        3: a head not selected is not computed at all), reading each of their KV heads once and
+        no other part of the KV cache; the other heads' outputs, which nothing reads, are
+        zeros. With one query head per KV head (OPT) that is the selected heads alone. Applies
+        where that projection alone reads the attention's output through views, its ids are
+        computed before the attention and no batch's union selection is used; counted in
         ``decode_selected_heads`` (``decode_selected_heads_skipped[...]`` says why not). The
-        outputs do not change. Off by default: not yet measured on a GPU (bench mode
-        ``dejavu_captured_qkv_selattn_pdl``).
+        outputs do not change. Off by default: not yet measured on a GPU (bench modes
+        ``dejavu_captured_qkv_selattn_pdl`` and ``dejavu_captured_qkv_selattn_merge_pdl``).
     graph_splits: layers before which the captured decode step is cut into another CUDA graph:
         ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the rest; Inductor's graphs with
         ``cudagraphs``, else those of ``CapturedStep`` (without either, the cuts are copies that

@@ -5,8 +5,8 @@ OPT-13B (40 heads, each its own KV head).
 
 With ``--heads F`` it also times the kernel over a selection of that fraction of the query
 heads (option ``decode_selected_heads``: the heads an output projection reads), which reads the
-cache of the selected heads' KV heads only, and checks those heads' rows against the kernel
-over every head.
+cache of the selected heads' KV heads only, each once, and checks those heads' rows against
+the kernel over every head.
 
     python examples/decode_attention_bench.py [CONTEXT ...] [--shape opt] [--heads 0.5]
 """
@@ -58,8 +58,9 @@ def main(contexts: list[int], shape: str = "llama", fraction: float | None = Non
             ids = torch.randperm(heads, generator=gen)[:k_sel].sort().values.to("cuda")[None]
             got = torch.ops.dejavu.decode_attention(q, k, v, scale, None, None, ids)
             diff = max(diff, (got[0, ids[0]].float() - ours[0, ids[0]].float()).abs().max().item())
-            # each selected query head reads its KV head's keys and values once
-            sel_bytes = k_sel * 2 * n * hd * k.element_size()
+            # the keys and values of each KV head that a selected head reads, once
+            read = (ids[0] // (heads // kv_heads)).unique().numel()
+            sel_bytes = read * 2 * n * hd * k.element_size()
             t_sel = 1e3 * do_bench(functools.partial(torch.ops.dejavu.decode_attention, q, k, v,
                                                      scale, None, None, ids))
             row += f" | {t_sel:.1f} | {sel_bytes / t_sel / 1e3:.0f}"

@@ -18,11 +18,12 @@ one launch fewer per layer.
 
 Given ``heads`` (ids of the query heads to compute, from the output projection's selection:
 the lower pass's option ``decode_selected_heads``), ``_split_heads_kernel`` and
-``_combine_heads_kernel`` do the same over those heads only: program (sequence x slot of the
-ids, chunk) attends with its slot's query head over that head's KV head, so the cache of a KV
-head no named head reads is not read at all, and one more program per sequence zeroes the
-output rows of the heads not named (in the combine launch, or in the split kernel when it
-merges).
+``_combine_heads_kernel`` do the same over the KV groups of those heads only: program
+(sequence x slot of the ids, chunk) attends with the query heads of its slot's KV group over
+that KV head, unless an earlier slot names the same group, so the cache of a KV head that no
+named head reads is not read at all and none is read twice; one more program per sequence
+zeroes the output rows of the groups not named (in the combine launch, or in the split kernel
+when it merges).
 
 Without ``heads`` the cache is read exactly once. Reference:
 ``kernels/reference.py::decode_attention``.
@@ -190,25 +191,32 @@ def _split_kernel(
 
 
 @triton.jit
-def _selected_head(ids_ptr, b, slot, S, H, stride_ids):
-    """Query head ``slot`` of sequence ``b``'s selection and whether it names one (-1 pads,
-    and ``slot`` S is the program that zeroes the heads not named)."""
+def _selected_group(ids_ptr, b, slot, S, H, G, stride_ids, BLOCK_IDS: tl.constexpr):
+    """The KV head of query head ``slot`` of sequence ``b``'s selection, and whether this slot
+    computes it: its id names a head (-1 pads; ``slot`` S is the program that zeroes the rest)
+    and no earlier slot names a head of the same KV group, so each KV head is read once."""
+    offs = tl.arange(0, BLOCK_IDS)
+    ids = tl.load(ids_ptr + b * stride_ids + offs, mask=offs < S, other=-1)
     head = tl.load(ids_ptr + b * stride_ids + slot, mask=slot < S, other=-1)
     ok = (head >= 0) & (head < H)
-    return tl.where(ok, head, 0).to(tl.int32), ok
+    kvh = tl.where(ok, head, 0).to(tl.int32) // G
+    named = (ids >= 0) & (ids < H)
+    earlier = tl.sum((named & (ids // G == kvh) & (offs < slot)).to(tl.int32), 0)
+    return kvh, ok & (earlier == 0)
 
 
 @triton.jit
-def _zero_unnamed(ids_row, out_b, S, H, D, so_h, BLOCK_IDS: tl.constexpr,
+def _zero_unnamed(ids_row, out_b, S, H, G, D, so_h, BLOCK_IDS: tl.constexpr,
                   BLOCK_HZ: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Zeros in the output rows of every query head that the ids at ``ids_row`` do not name,
-    ``BLOCK_HZ`` heads a store."""
+    """Zeros in the output rows of every query head whose KV group no id at ``ids_row``
+    names, ``BLOCK_HZ`` heads a store."""
     offs_s = tl.arange(0, BLOCK_IDS)
     ids = tl.load(ids_row + offs_s, mask=offs_s < S, other=-1)
+    groups = tl.where((ids >= 0) & (ids < H), ids // G, -1)
     offs_d = tl.arange(0, BLOCK_D)
     for h0 in range(0, H, BLOCK_HZ):
         offs_h = h0 + tl.arange(0, BLOCK_HZ)
-        named = tl.sum((ids[None, :] == offs_h[:, None]).to(tl.int32), 1)
+        named = tl.sum((groups[None, :] == (offs_h // G)[:, None]).to(tl.int32), 1)
         rest = (offs_h < H) & (named == 0)
         tl.store(out_b + offs_h[:, None] * so_h + offs_d[None, :],
                  tl.zeros([BLOCK_HZ, BLOCK_D], dtype=out_b.dtype.element_ty),
@@ -223,26 +231,27 @@ def _split_heads_kernel(
     L, L_BUCKET, G, H, D, S, SLOTS, CHUNK, scale,
     sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, smask_b, stride_ids, so_b, so_h,
     HAS_MASK: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-    IEEE: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_IDS: tl.constexpr,
-    BLOCK_HZ: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, MERGE: tl.constexpr, GR: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_IDS: tl.constexpr, BLOCK_HZ: tl.constexpr, PDL: tl.constexpr,
 ):
-    """``_split_kernel`` over a selection's query heads (``heads``): program (sequence x slot
-    of its ``S`` ids, chunk) attends with the one query head its slot names, over that head's
-    KV head; a slot naming none (-1) computes nothing. With ``MERGE`` each sequence has one
-    slot more (``SLOTS``), whose first program zeroes the output rows of the heads not named,
-    and the last program of each slot merges its chunks (``cnt_ptr``, one counter a slot)."""
+    """``_split_kernel`` over the KV groups of a selection's query heads (``heads``):
+    program (sequence x slot of its ``S`` ids, chunk) attends with the query heads of the KV
+    group its slot's head belongs to, over that KV head, when no earlier slot names the same
+    group (``_selected_group``); another slot computes nothing. With ``MERGE`` each sequence
+    has one slot more (``SLOTS``), whose first program zeroes the output rows of the groups
+    not named, and the last program of each slot merges its chunks (``cnt_ptr``, one counter
+    a slot)."""
     wait_inputs(PDL)  # the query, the ids and the cache are the kernels' before
     pid, chunk = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     b, slot = pid // SLOTS, pid % SLOTS
-    head, ok = _selected_head(ids_ptr, b, slot, S, H, stride_ids)
-    kvh = head // G
+    kvh, ok = _selected_group(ids_ptr, b, slot, S, H, G, stride_ids, BLOCK_IDS)
     rows = tl.arange(0, GP)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_g, mask_d = (rows < 1) & ok, offs_d < D
+    mask_g, mask_d = (rows < G) & ok, offs_d < D
     start = chunk * CHUNK
     acc, m, s_sum = _attend_chunk(
-        q_ptr + b * sq_b + head * sq_h, k_ptr + b * sk_b + kvh * sk_h,
+        q_ptr + b * sq_b + kvh * G * sq_h, k_ptr + b * sk_b + kvh * sk_h,
         v_ptr + b * sv_b + kvh * sv_h, mask_ptr + b * smask_b, rows, mask_g, offs_d, mask_d,
         start, tl.where(ok, tl.minimum(start + CHUNK, L), start), scale, sq_h, sk_l, sv_l,
         HAS_MASK, GP, BLOCK_D, BLOCK_L, IEEE)
@@ -253,11 +262,11 @@ def _split_heads_kernel(
         if ok:
             tl.debug_barrier()  # as _split_kernel's
             if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == splits - 1:
-                _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, group, splits, 1, 0, head,
-                              D, so_h, GP, 1, BLOCK_D, BLOCK_S)
+                _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, group, splits, G, 0,
+                              kvh * G, D, so_h, GP, GR, BLOCK_D, BLOCK_S)
                 tl.atomic_xchg(cnt_ptr + group, 0)
         if (slot == S) & (chunk == 0):
-            _zero_unnamed(ids_ptr + b * stride_ids, out_ptr + b * so_b, S, H, D, so_h,
+            _zero_unnamed(ids_ptr + b * stride_ids, out_ptr + b * so_b, S, H, G, D, so_h,
                           BLOCK_IDS, BLOCK_HZ, BLOCK_D)
 
 
@@ -318,23 +327,24 @@ def _combine_kernel(
 @triton.jit
 def _combine_heads_kernel(
     o_ptr, m_ptr, l_ptr, ids_ptr, out_ptr,
-    H, D, S, SPLITS, stride_ids, so_b, so_h,
-    GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_IDS: tl.constexpr,
-    BLOCK_HZ: tl.constexpr, PDL: tl.constexpr,
+    H, G, D, S, SPLITS, stride_ids, so_b, so_h,
+    GP: tl.constexpr, GR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_IDS: tl.constexpr, BLOCK_HZ: tl.constexpr, PDL: tl.constexpr,
 ):
-    # program (sequence x slot of its S ids, and one more): ``_split_heads_kernel``'s slot
-    # merged into the row of the head it names; the last program of each sequence zeroes the
-    # rows of the heads not named
+    # program (sequence x slot of its S ids, and one more; GR rows of the group):
+    # ``_split_heads_kernel``'s slot merged into its group's rows, when the slot computed
+    # them; the first program of each sequence's last slot zeroes the rows of the groups not
+    # named
     wait_inputs(PDL)  # the partials are the split kernel's, the kernel before
-    pid = tl.program_id(0)
+    pid, part = tl.program_id(0), tl.program_id(1)
     b, slot = pid // (S + 1), pid % (S + 1)
-    head, ok = _selected_head(ids_ptr, b, slot, S, H, stride_ids)
+    kvh, ok = _selected_group(ids_ptr, b, slot, S, H, G, stride_ids, BLOCK_IDS)
     if ok:
-        _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, b * S + slot, SPLITS, 1, 0, head,
-                      D, so_h, GP, 1, BLOCK_D, BLOCK_S)
-    if slot == S:
-        _zero_unnamed(ids_ptr + b * stride_ids, out_ptr + b * so_b, S, H, D, so_h, BLOCK_IDS,
-                      BLOCK_HZ, BLOCK_D)
+        _merge_chunks(o_ptr, m_ptr, l_ptr, out_ptr + b * so_b, b * S + slot, SPLITS, G,
+                      part * GR, kvh * G, D, so_h, GP, GR, BLOCK_D, BLOCK_S)
+    if (slot == S) & (part == 0):
+        _zero_unnamed(ids_ptr + b * stride_ids, out_ptr + b * so_b, S, H, G, D, so_h,
+                      BLOCK_IDS, BLOCK_HZ, BLOCK_D)
 
 
 # fp32 partials ``_merge_chunks`` holds at once: 64 registers a thread at 4 warps
@@ -372,8 +382,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q: [B, H, 1, D]; k, v: [B, KVH, L, D] (the last dimension contiguous), H a multiple of KVH;
     mask: None or bool [B, L] (True: attend); counters: None, or int32 [>= B * KVH, or with
     ``heads`` >= B * S], zero, given back zero (one launch instead of two, see the module
-    doc); heads: None, or int ids [..., S] (B rows or one) of the query heads to compute
-    (``_heads``);
+    doc); heads: None, or int ids [..., S] (B rows or one) of the query heads whose KV groups
+    to compute (``_heads``);
     returns [B, H, 1, D] in q's dtype.
     """
     check_dtype("decode_attention", q, k, v)
@@ -416,18 +426,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def _heads(q, k, v, scale, mask, counters, heads):
-    """``decode_attention`` of the query heads ``heads`` names only (option
-    ``decode_selected_heads``, where the output projection reads no other): a program set per
-    slot of the ids, each over its head's KV head, so the cache of a head not named is never
-    read; the output rows of those heads are zeros. A KV head is read once per named query
-    head of its group (the lower pass asks for this only where fewer query heads are named than
-    there are KV heads)."""
+    """``decode_attention`` over the KV groups of the query heads ``heads`` names only (option
+    ``decode_selected_heads``, where the output projection reads no other head): a program
+    set per slot of the ids, the first slot naming a group computing that group's query heads
+    over its KV head, so the cache of a KV head that no named head reads is never read, and
+    no KV head is read twice; the output rows of the groups not named are zeros."""
     b, h, _, d = q.shape
-    length = k.shape[2]
+    length, g = k.shape[2], h // k.shape[1]
     q, k, v, mask = _operands(q, k, v, mask)
     ids = heads.reshape(-1, heads.shape[-1]).contiguous()
     s, stride_ids = ids.shape[1], 0 if ids.shape[0] == 1 else ids.stride(0)
-    gp, block_d = 16, max(16, triton.next_power_of_2(d))  # one query row a program
+    gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
+    gr = triton.next_power_of_2(g)
     chunk, splits = chunking(b * s, length)
     part_o = torch.empty(b * s * splits * gp * block_d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(b * s * splits * gp, device=q.device, dtype=torch.float32)
@@ -435,23 +445,24 @@ def _heads(q, k, v, scale, mask, counters, heads):
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     merge = counters is not None
     slots = s + 1 if merge else s  # merging: the zeroes' slot is the split kernel's
-    sizes = {"BLOCK_D": block_d, "BLOCK_S": merge_block(splits, 1, block_d),
-             "BLOCK_IDS": triton.next_power_of_2(s), "BLOCK_HZ": ZERO_HEADS}
+    sizes = {"BLOCK_D": block_d, "BLOCK_IDS": triton.next_power_of_2(s),
+             "BLOCK_HZ": ZERO_HEADS}
     _split_heads_kernel[(b * slots, splits)](
         q, k, v, mask if mask is not None else q, ids, part_o, part_m, part_l,
         counters if merge else part_m, out,
-        length, triton.next_power_of_2(length), h // k.shape[1], h, d, s, slots, chunk, scale,
+        length, triton.next_power_of_2(length), g, h, d, s, slots, chunk, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
         stride_ids, out.stride(0), out.stride(1),
-        HAS_MASK=mask is not None, GP=gp, IEEE=_fp32_dots(k.dtype), MERGE=merge, **sizes,
-        **pdl_meta(),
+        HAS_MASK=mask is not None, GP=gp, IEEE=_fp32_dots(k.dtype), MERGE=merge, GR=gr,
+        BLOCK_S=merge_block(splits, gr, block_d), **sizes, **pdl_meta(),
     )
     if merge:
         return out
-    _combine_heads_kernel[(b * (s + 1),)](
+    _combine_heads_kernel[(b * (s + 1), triton.cdiv(g, COMBINE_ROWS))](
         part_o, part_m, part_l, ids, out,
-        h, d, s, splits, stride_ids, out.stride(0), out.stride(1),
-        GP=gp, **sizes, num_warps=4, **pdl_meta(),
+        h, g, d, s, splits, stride_ids, out.stride(0), out.stride(1),
+        GP=gp, GR=COMBINE_ROWS, BLOCK_S=merge_block(splits, COMBINE_ROWS, block_d), **sizes,
+        num_warps=4, **pdl_meta(),
     )
     return out

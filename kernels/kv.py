@@ -47,8 +47,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     least B * KVH, or B * S with ``heads``; the lower pass attaches them) let that kernel merge
     its chunks in the same launch; the result is the same without them. ``heads`` (int ids
     [..., S], a row per sequence or one for the batch, -1 for none; option
-    ``decode_selected_heads``): only the query heads named are computed, and the other heads'
-    output rows are zeros."""
+    ``decode_selected_heads``): only the KV groups of the query heads named are computed, each
+    KV head read once, and the other groups' output rows are zeros."""
     check_decode(q, k, v, mask, counters, heads)
     return ref.decode_attention(q, k, v, scale, mask, heads)
 

@@ -317,8 +317,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     q: [B, H, 1, D]; k, v: [B, KVH, L, D], H a multiple of KVH (grouped-query heads: query head
     h reads KV head h // (H / KVH)); mask: None or bool [B, L], True where the sequence may
-    attend; heads: None, or ids [..., S] of the query heads to compute (``named_heads``),
-    the others' rows zero; softmax in fp32; returns [B, H, 1, D] in q's dtype."""
+    attend; heads: None, or ids [..., S] of query heads: the heads outside their KV groups
+    (``named_heads``) get zero rows; softmax in fp32; returns [B, H, 1, D] in q's dtype."""
     group = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(group, 1).to(torch.promote_types(k.dtype, torch.float32))
     vv = v.repeat_interleave(group, 1).to(kk.dtype)
@@ -328,18 +328,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = (s.softmax(-1) @ vv).to(q.dtype)
     if heads is None:
         return out
-    named = named_heads(heads, q.shape[0], q.shape[1])
+    named = named_heads(heads, q.shape[0], q.shape[1], group)
     return torch.where(named[:, :, None, None], out, torch.zeros((), dtype=out.dtype))
 
 
-def named_heads(heads: torch.Tensor, batch: int, n_heads: int) -> torch.Tensor:
-    """[batch, n_heads] bool: the heads each sequence's row of ``heads`` (ids [..., S]: a row
-    per sequence, or one for all) names; -1 and ids past ``n_heads`` name none. On the ids'
-    device, without a copy to the host."""
+def named_heads(heads: torch.Tensor, batch: int, n_heads: int, group: int = 1) -> torch.Tensor:
+    """[batch, n_heads] bool: the heads in a KV group of ``group`` query heads of which each
+    sequence's row of ``heads`` (ids [..., S]: a row per sequence, or one for all) names one;
+    -1 and ids past ``n_heads`` name none. On the ids' device, without a copy to the host."""
     ids = heads.reshape(-1, heads.shape[-1]).to(torch.int64)
-    ids = torch.where((ids >= 0) & (ids < n_heads), ids, n_heads)  # none: a spare column
-    named = torch.zeros(ids.shape[0], n_heads + 1, dtype=torch.bool, device=ids.device)
-    return named.scatter_(1, ids, True)[:, :n_heads].expand(batch, n_heads)
+    groups = n_heads // group
+    ids = torch.where((ids >= 0) & (ids < n_heads), ids // group, groups)  # none: a spare column
+    named = torch.zeros(ids.shape[0], groups + 1, dtype=torch.bool, device=ids.device)
+    named = named.scatter_(1, ids, True)[:, :groups].repeat_interleave(group, 1)
+    return named.expand(batch, n_heads)
 
 
 def id_rows(idx: torch.Tensor, batch: int) -> torch.Tensor:

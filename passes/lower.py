@@ -588,7 +588,7 @@ def _heads_reason(node: fx.Node, order: dict) -> tuple[fx.Node | None, str]:
     """The ids of the heads that the output projection reading ``node`` (a
     ``dejavu::decode_attention``) selects, when the attention need compute only those; else
     None and why not ("" where no head-gathered projection reads the attention)."""
-    q, k = (fake_value(a) for a in node.args[:2])
+    q = fake_value(node.args[0])
     out, alone = _head_out_reader(node)
     if out is None:
         return None, ""  # no head selection to take
@@ -605,19 +605,17 @@ def _heads_reason(node: fx.Node, order: dict) -> tuple[fx.Node | None, str]:
         return None, "output projection's units are not the attention's heads"
     if union and not statically_known_true(q.shape[0] == 1):
         return None, "a batch's union selection"
-    if not statically_known_true(idx_val.shape[-1] < k.shape[1]):
-        return None, "no fewer selected heads than KV heads"
     return idx, ""
 
 
 def selected_heads(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Option ``decode_selected_heads``: each ``dejavu::decode_attention`` whose output only a
     head-gathered output projection reads (through the heads' transpose and reshape) gets that
-    projection's ids, and computes those heads only: the cache of a head not selected is not
-    read (paper section 3: the heads not selected are not computed at all). Where fewer heads
-    are selected than there are KV heads (a KV head is read once per selected query head of
-    its group); counted in ``decode_selected_heads``, or ``decode_selected_heads_skipped[why]``
-    for an attention with a head selection that it cannot take."""
+    projection's ids, and computes the KV groups of those heads only: the cache of a KV head
+    that no selected head reads is not read (paper section 3: the heads not selected are not
+    computed at all). Counted in ``decode_selected_heads``, or
+    ``decode_selected_heads_skipped[why]`` for an attention with a head selection that it
+    cannot take."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if not is_op(node, "decode_attention") or len(node.args) > 6 \

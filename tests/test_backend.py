@@ -385,16 +385,15 @@ def test_decode_attention_takes_the_decode_steps_sdpa(tiny, arch, static):
 
 @pytest.mark.parametrize("arch,selector,density,why", [
     ("opt", "fixed", 0.5, None),  # 2 of 4 heads, one per KV head
-    ("llama", "fixed", 0.25, None),  # 1 of 4 heads, groups of 2
-    ("llama", "fixed", 0.5, "no fewer selected heads than KV heads"),
+    ("llama", "fixed", 0.25, None),  # 1 of 4 heads, groups of 2: one KV head read
+    ("llama", "fixed", 0.5, None),  # 2 of 4 heads, both KV heads read once
     ("opt", "oracle", 0.5, "attention output read by more than its output projection"),
 ])
 def test_decode_attention_computes_the_selected_heads_only(tiny, arch, selector, density, why):
     """Option ``decode_selected_heads``: each decode step's ``dejavu::decode_attention`` gets
     the ids its output projection reads, and the logits are those of the step that computes
-    every head; where it cannot (as many selected heads as KV heads, or the oracle's, which
-    reads the attention's output to pick the heads) the call is left as it is and the report
-    says why."""
+    every head; where it cannot (the oracle's selection, which reads the attention's output to
+    pick the heads) the call is left as it is and the report says why."""
     from dejavu_compile.passes.context import is_op
 
     def run(selected: bool):

@@ -496,12 +496,14 @@ class _PoisonedEmpty:
     (2, 6, 3, 70, 16, 2),   # groups of 2: each named head reads its group's KV head
     (1, 8, 8, 300, 16, 3),  # many chunks
     (2, 5, 5, 1, 8, 1),     # one cached position, one head named
+    (1, 8, 2, 45, 16, 3),   # groups of 4: two named heads share a KV head, read once
 ])
 def test_decode_attention_kernel_over_selected_heads(monkeypatch, dtype, batch, heads, kv_heads,
                                                      length, head_dim, k):
-    """With ``heads`` (option ``decode_selected_heads``) the kernels compute the named query
-    heads only: their rows are the reference's, every other row is zero, though each buffer
-    the launcher allocates starts as NaN; for ids per sequence (one of them -1, naming none),
+    """With ``heads`` (option ``decode_selected_heads``) the kernels compute the KV groups of
+    the named query heads only: their rows are the reference's, every other row is zero,
+    though each buffer the launcher allocates starts as NaN; for ids per sequence (one of them
+    -1, naming none),
     one row of ids shared by the batch (1-d too), with a key mask, and with the chunks merged
     in the split kernel on counters given back zero."""
     monkeypatch.setattr(decode_attention, "torch", _PoisonedEmpty())
@@ -520,8 +522,8 @@ def test_decode_attention_kernel_over_selected_heads(monkeypatch, dtype, batch, 
         want = _ref64(ref.decode_attention, q, kk, v, scale, m, sel)
         got = decode_attention.decode_attention(q, kk, v, scale, m, c, sel)
         assert got.dtype == dtype and got.shape == want.shape
-        named = ref.named_heads(sel, batch, heads)
-        assert named.sum() < batch * heads and not got[~named].any()
+        named = ref.named_heads(sel, batch, heads, heads // kv_heads)
+        assert not got[~named].any()
         torch.testing.assert_close(got.double(), want, **TOL[dtype])
         assert not counters.any()
     with pytest.raises(ValueError, match="heads must be int64 or int32 ids"):
