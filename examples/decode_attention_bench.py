@@ -1,6 +1,8 @@
 """Time one decode step's attention over a long KV cache on a CUDA GPU: the split-K
 ``dejavu::decode_attention`` kernel against PyTorch's SDPA (flash, GQA without copies), fp16,
-batch 1, on the attention shape of Llama-3-8B (32 query heads, 8 KV heads, head size 128) or
+batch 1, each call replayed from a CUDA graph (no host time in the figures; the forty-ninth
+session's plain timing measured the host's launch at short contexts), on the attention shape of
+Llama-3-8B (32 query heads, 8 KV heads, head size 128) or
 OPT-13B (40 heads, each its own KV head).
 
 With ``--heads F`` it also times the kernel over a selection of that fraction of the query
@@ -33,7 +35,7 @@ def selected_count(heads: int, fraction: float) -> int:
 
 
 def main(contexts: list[int], shape: str = "llama", fraction: float | None = None) -> None:
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph as do_bench
 
     heads, kv_heads, hd = SHAPES[shape]
     k_sel = None if fraction is None else selected_count(heads, fraction)
