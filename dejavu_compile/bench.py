@@ -925,8 +925,9 @@ _DEJAVU_MODES = {
                                                                    "merge_attention": True}),
     # OPT-13B's default step with each decode attention computing only the heads its output
     # projection selects (option decode_selected_heads): at head density 0.5 half the KV
-    # cache is read by the split and combine kernels, 211 and 89 us a step after the kernel
-    # before in the forty-third session's breakdown (a cache of 129-256 positions)
+    # cache is read by the split and combine kernels; in the forty-ninth session's breakdown
+    # they took 219 and 78 us a step after the kernel before, against 211 and 86 for every
+    # head (a cache of 129-256 positions)
     "dejavu_captured_qkv_selattn_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                    "decode_selected_heads": True}),
     # and with each selected head's chunks merged by its last program in the split kernel

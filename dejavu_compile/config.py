@@ -134,8 +134,11 @@ class DejavuOptions:
         where that projection alone reads the attention's output through views, its ids are
         computed before the attention and no batch's union selection is used; counted in
         ``decode_selected_heads`` (``decode_selected_heads_skipped[...]`` says why not). The
-        outputs do not change. Off by default: not yet measured on a GPU (bench modes
-        ``dejavu_captured_qkv_selattn_pdl`` and ``dejavu_captured_qkv_selattn_merge_pdl``).
+        outputs do not change. Off by default: on an H200 (BENCHMARKS.md, forty-ninth
+        session) OPT-13B's step at the bench's 129-256 positions was no faster with it, 3.56
+        against 3.52 ms (bench modes ``dejavu_captured_qkv_selattn_pdl`` and
+        ``dejavu_captured_qkv_selattn_merge_pdl``): the split kernel over half the cache took
+        5.6 us a layer against 5.3, bound by latency, not bytes, at that length.
     graph_splits: layers before which the captured decode step is cut into another CUDA graph:
         ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the rest; Inductor's graphs with
         ``cudagraphs``, else those of ``CapturedStep`` (without either, the cuts are copies that

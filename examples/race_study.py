@@ -36,7 +36,12 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
   kernel, the finish kernel or both launched programmatically again, as before the fix;
   ``norm programmatic sync before`` and ``... sync after``: both, with the GPU synchronised
   before or after each add-norm launch (whether what goes wrong is before the kernel or
-  after it); ``norm late``: both launched programmatically, each starting its successor
+  after it); ``add_norm programmatic mlp plain`` (and ``projection``, ``output``,
+  ``attention``, ``selector``, ``lazy``): the add-norm kernel launched programmatically with
+  that group of dejavu kernels launched plainly (the forty-ninth session found the add-norm
+  kernel's early start alone wrong, and wrong without Inductor's programmatic launches: if a
+  group's kernels read its output too early, runs with that group plain are right);
+  ``norm late``: both launched programmatically, each starting its successor
   after its last store (``DEJAVU_NORM_LAUNCH=late``, bench modes ``*_normlate_pdl``);
 - ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
   uncaptured, the others replay the capture);
@@ -293,6 +298,10 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             "others plain": lambda: _plain(tuple(n for group, names in GROUPS.items()
                                                  if group != "lazy" for n in names)),
             "add_norm programmatic": lambda: _norm_programmatic(True, False),
+            **{f"add_norm programmatic {group} plain": (
+                lambda names=names: _both(lambda: _norm_programmatic(True, False),
+                                          lambda: _plain(names)))
+               for group, names in GROUPS.items() if group != "norm"},
             "finish programmatic": lambda: _norm_programmatic(False, True),
             "norm programmatic": lambda: _norm_programmatic(True, True),
             "norm programmatic sync before": lambda: _norm_programmatic(True, True, True),

@@ -667,6 +667,10 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
     assert late == {"norm late": "late"}  # the variable set inside that variant only
     for name in ("mlp plain", "output plain", "others plain"):
         assert norm[name][3] is not norm_before[3] and norm[name][:3] == norm_before[:3]
+    for group in ("mlp", "projection", "output", "attention", "selector", "lazy"):
+        name = f"add_norm programmatic {group} plain"
+        assert norm[name][:3] == (True, False, norm_before[2]) and norm[name][3] is not \
+            norm_before[3], name
     # ``--only`` takes the names comma-separated, and refuses a name it does not know
     assert not any("," in name for name in study.variants())
     with pytest.raises(SystemExit, match=r"--only: no variant \['norm plain'\]"):
