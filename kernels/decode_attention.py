@@ -373,6 +373,21 @@ def _operands(q, k, v, mask):
     return q, k, v, mask
 
 
+def _targets(q: torch.Tensor, groups: int, g: int, length: int):
+    """The sizes and buffers of a split launch over ``groups`` sets of chunks (sequence x KV
+    head, or x slot of the ids) for query groups of ``g`` heads over ``length`` keys: the
+    padded rows and head size (``GP``, ``BLOCK_D``), the merge's rows (``GR``), ``chunking``'s
+    keys per chunk and chunks, the fp32 partials (output, maximum, sum) and the output."""
+    b, h, _, d = q.shape
+    gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
+    chunk, splits = chunking(groups, length)
+    part_o = torch.empty(groups * splits * gp * block_d, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(groups * splits * gp, device=q.device, dtype=torch.float32)
+    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    return (gp, block_d, triton.next_power_of_2(g), chunk, splits, part_o, part_m,
+            torch.empty_like(part_m), out)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None,
                      counters: torch.Tensor | None = None,
@@ -395,14 +410,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kvh, length = k.shape[1], k.shape[2]
     q, k, v, mask = _operands(q, k, v, mask)
     g = h // kvh
-    gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
-    gr = triton.next_power_of_2(g)
-    chunk, splits = chunking(b * kvh, length)
+    gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * kvh, g,
+                                                                           length)
     block_s = merge_block(splits, gr, block_d)
-    part_o = torch.empty(b * kvh * splits * gp * block_d, device=q.device, dtype=torch.float32)
-    part_m = torch.empty(b * kvh * splits * gp, device=q.device, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
-    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     merge = counters is not None
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
@@ -436,13 +446,7 @@ def _heads(q, k, v, scale, mask, counters, heads):
     q, k, v, mask = _operands(q, k, v, mask)
     ids = heads.reshape(-1, heads.shape[-1]).contiguous()
     s, stride_ids = ids.shape[1], 0 if ids.shape[0] == 1 else ids.stride(0)
-    gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
-    gr = triton.next_power_of_2(g)
-    chunk, splits = chunking(b * s, length)
-    part_o = torch.empty(b * s * splits * gp * block_d, device=q.device, dtype=torch.float32)
-    part_m = torch.empty(b * s * splits * gp, device=q.device, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
-    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * s, g, length)
     merge = counters is not None
     slots = s + 1 if merge else s  # merging: the zeroes' slot is the split kernel's
     sizes = {"BLOCK_D": block_d, "BLOCK_IDS": triton.next_power_of_2(s),
