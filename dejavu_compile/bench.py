@@ -763,7 +763,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_normi_pdl", "dejavu_captured_ahead_gemv_pdl",
          "dejavu_captured_qkv_gemv_pdl", "dejavu_captured_ahead_nogemv_pdl",
          "dejavu_captured_qkv_nogemv_pdl", "dejavu_captured_qkv_normlate_pdl",
-         "dejavu_captured_ahead_normlate_pdl",
+         "dejavu_captured_ahead_normlate_pdl", "dejavu_captured_qkv_exit_pdl",
+         "dejavu_captured_ahead_exit_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
          "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl")
 SPARSE_MODES = MODES[4:]
@@ -940,6 +941,11 @@ _DEJAVU_MODES = {
     # session, when with the successor started right after the wait some steps went wrong
     "dejavu_captured_qkv_normlate_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     "dejavu_captured_ahead_normlate_pdl": (True, True, BUCKET_UNITS, _CAPTURED_AHEAD_IPDL),
+    # and with no kernel starting its successor before its programs exit
+    # (triton_common.PDL_START_ENV "exit"), the add-norm and finish kernels launched
+    # programmatically too: every kernel still launched so, none overlapping the next
+    "dejavu_captured_qkv_exit_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
+    "dejavu_captured_ahead_exit_pdl": (True, True, BUCKET_UNITS, _CAPTURED_AHEAD_IPDL),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
@@ -963,14 +969,16 @@ def kernel_switches(mode: str):
     "last" for ``dejavu_captured_qkv_norm_pdl``, "kernel" for
     ``dejavu_captured_qkv_normk_pdl``, "mixed" for ``dejavu_captured_qkv_normm_pdl`` and
     "sums" for ``dejavu_captured_qkv_norms_pdl``, ``DEJAVU_NORM_LAUNCH`` (how the add-norm
-    and finish kernels launch) "late" for the modes named ``*_normlate_pdl``,
-    each unset otherwise; restored afterwards."""
+    and finish kernels launch) "late" for the modes named ``*_normlate_pdl`` and
+    ``*_exit_pdl``, ``DEJAVU_PDL_START`` (where a kernel starts its successor) "exit" for
+    the modes named ``*_exit_pdl``, each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
         EARLY_IDS_ENV,
         NORM_FINISH_ENV,
         NORM_LAUNCH_ENV,
         PDL_ENV,
+        PDL_START_ENV,
         STORE_ROWS_ENV,
     )
 
@@ -981,8 +989,11 @@ def kernel_switches(mode: str):
         os.environ.pop(EARLY_IDS_ENV, None)
         os.environ.pop(NORM_FINISH_ENV, None)
         os.environ.pop(NORM_LAUNCH_ENV, None)
-        if mode.endswith("_normlate_pdl"):
+        os.environ.pop(PDL_START_ENV, None)
+        if mode.endswith(("_normlate_pdl", "_exit_pdl")):
             os.environ[NORM_LAUNCH_ENV] = "late"
+        if mode.endswith("_exit_pdl"):
+            os.environ[PDL_START_ENV] = "exit"
         finishes = {"dejavu_captured_qkv_norm_pdl": "last",
                     "dejavu_captured_qkv_normk_pdl": "kernel",
                     "dejavu_captured_qkv_normm_pdl": "mixed",

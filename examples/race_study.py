@@ -43,6 +43,9 @@ from the same model, Inductor's kernels and dejavu's launched plainly), under va
   group's kernels read its output too early, runs with that group plain are right);
   ``norm late``: both launched programmatically, each starting its successor
   after its last store (``DEJAVU_NORM_LAUNCH=late``, bench modes ``*_normlate_pdl``);
+  ``norm programmatic exit``: both launched programmatically as before the fix, but no
+  kernel starting its successor before its programs exit (``DEJAVU_PDL_START=exit``, bench
+  modes ``*_exit_pdl``): the launches of ``norm programmatic`` without any early start;
 - ``captured``: the same step replayed through ``CapturedStep`` (its first step runs
   uncaptured, the others replay the capture);
 - ``inductor plain`` (compiled again, after the others): Inductor's own kernels launched
@@ -307,7 +310,10 @@ def variants() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
             "norm programmatic sync before": lambda: _norm_programmatic(True, True, True),
             "norm programmatic sync after": lambda: _norm_programmatic(True, True, False),
             "norm late": lambda: mock.patch.dict(os.environ,
-                                                 {triton_common.NORM_LAUNCH_ENV: "late"})}
+                                                 {triton_common.NORM_LAUNCH_ENV: "late"}),
+            "norm programmatic exit": lambda: _both(
+                lambda: _norm_programmatic(True, True),
+                lambda: mock.patch.dict(os.environ, {triton_common.PDL_START_ENV: "exit"}))}
 
 
 def _kernel_sources(codes: list[str]) -> list[tuple[str, str]]:

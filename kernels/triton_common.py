@@ -143,9 +143,47 @@ def programmatic() -> bool:
     return asked == "1" and _GDC and not INTERPRET and not deterministic() and _hopper()
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of the environment variable ``name``, one of ``choices`` (unset is the
+    first). Any other value is an error naming the variable and the choices."""
+    asked = os.environ.get(name, choices[0])
+    if asked not in choices:
+        raise ValueError(f"{name}={asked!r}: set it to one of {choices}")
+    return asked
+
+
+# Where a kernel launched programmatically lets the kernel after it start. "wait", the
+# default: right after its own wait (``wait_inputs``; the sparse MLP's up kernel after the
+# op's zero-fill, before it; the add-norm and finish kernels under ``DEJAVU_NORM_LAUNCH=late``
+# after their last store), so that the successor's programs are resident and load what they
+# may before their wait while this kernel still runs. "exit": no kernel starts its successor
+# itself, so the successor starts as this kernel's last programs exit (the implicit start),
+# each kernel still launched programmatically and waiting as before: what remains is the
+# launch's latency hidden, not the overlap. NVIDIA fixed a kernel of TensorRT-LLM that gave
+# wrong results (nvbug 6168859, pull request 14537, "move tinygemm PDL release after
+# reduction") by moving its start after its output's stores, as ``late`` did for the add-norm
+# kernel here, whose start right after its wait gave wrong steps that no read before a wait
+# explains (BENCHMARKS.md, forty-fifth to forty-ninth sessions). "exit" is the same rule for
+# every kernel; not yet timed on a GPU, so off. ``dejavu bench`` modes ``*_exit_pdl`` set it.
+PDL_START_ENV = "DEJAVU_PDL_START"
+PDL_STARTS = ("wait", "exit")
+# the ``PDL`` meta-parameter under "exit" (``wait_inputs`` and ``start_dependents`` start
+# nothing); True under "wait"
+PDL_EXIT = 2
+
+
+def pdl_start() -> str:
+    """Where a kernel launched programmatically starts its successor: one of ``PDL_STARTS``
+    (``PDL_START_ENV``; unset is "wait"). Any other value is an error."""
+    return env_choice(PDL_START_ENV, PDL_STARTS)
+
+
 def pdl_meta() -> dict:
-    """The ``PDL`` meta-parameter of a launch, and Triton's launch option when it is on."""
-    return {"PDL": True, "launch_pdl": True} if programmatic() else {"PDL": False}
+    """The ``PDL`` meta-parameter of a launch, and Triton's launch option when it is on:
+    ``PDL`` True, or ``PDL_EXIT`` under ``DEJAVU_PDL_START=exit`` (``pdl_start``)."""
+    if not programmatic():
+        return {"PDL": False}
+    return {"PDL": True if pdl_start() == "wait" else PDL_EXIT, "launch_pdl": True}
 
 
 # The add-norm and finish kernels launch plainly, whatever ``programmatic`` says. On an H200
@@ -160,8 +198,10 @@ FINISH_PDL = False
 # ``DEJAVU_NORM_LAUNCH=late`` launches those two programmatically again, each letting its
 # successor start only after its last store (``LATE``) rather than right after its wait: the
 # kernel still starts early, loads its weights and waits while the kernel before it drains,
-# but nothing after it starts before it has read its inputs and written its outputs. Not
-# run on a GPU yet, so off (``plain``, the default); bench modes ``*_normlate_pdl`` set it.
+# but nothing after it starts before it has read its inputs and written its outputs. On an
+# H200 (forty-seventh session) its GPU tests passed and ``race_study`` found 0 of 4 runs
+# wrong, against 4 of 4 with the early start; one OPT-13B round each, 3.61 ms against 3.56
+# for plain, so plain stays the default; bench modes ``*_normlate_pdl`` set it.
 NORM_LAUNCH_ENV = "DEJAVU_NORM_LAUNCH"
 NORM_LAUNCHES = ("plain", "late")
 
@@ -169,10 +209,7 @@ NORM_LAUNCHES = ("plain", "late")
 def norm_launch() -> str:
     """How the add-norm and finish kernels launch: one of ``NORM_LAUNCHES``
     (``NORM_LAUNCH_ENV``; unset is "plain"). Any other value is an error."""
-    asked = os.environ.get(NORM_LAUNCH_ENV, NORM_LAUNCHES[0])
-    if asked not in NORM_LAUNCHES:
-        raise ValueError(f"{NORM_LAUNCH_ENV}={asked!r}: set it to one of {NORM_LAUNCHES}")
-    return asked
+    return env_choice(NORM_LAUNCH_ENV, NORM_LAUNCHES)
 
 
 def norm_launch_meta(early: bool) -> dict:
@@ -191,11 +228,12 @@ def norm_launch_meta(early: bool) -> dict:
 def wait_inputs(PDL: tl.constexpr, STARTED: tl.constexpr = False):
     """Under programmatic launch: wait until the kernel before this one has finished and its
     writes are visible, then let the kernel after this one start (unless ``STARTED``: this
-    kernel lets it start itself, ``start_dependents``, before or after)."""
+    kernel lets it start itself, ``start_dependents``, before or after; or ``PDL`` is
+    ``PDL_EXIT``: it starts as this kernel's programs exit)."""
     if PDL:
         gdc_wait()
         if not STARTED:
-            gdc_launch_dependents()
+            start_dependents(PDL)
 
 
 @triton.jit
@@ -206,9 +244,11 @@ def start_dependents(PDL: tl.constexpr):
     older than both. The sparse MLP's up kernel does, so that the down kernel's programs load
     their first weights as the up kernel's last ones drain. Called last instead, after the
     wait and every store, it starts the successor only once this kernel has read and written
-    everything (the add-norm and finish kernels' ``LATE``)."""
+    everything (the add-norm and finish kernels' ``LATE``). Under ``PDL_EXIT`` nothing: the
+    successor starts as this kernel's programs exit."""
     if PDL:
-        gdc_launch_dependents()
+        if PDL != 2:  # PDL_EXIT
+            gdc_launch_dependents()
 
 
 # The sparse MLP's up kernel and the query projection's kernel may store whole rows (each
@@ -448,10 +488,7 @@ NORM_FINISHES = ("sums", "kernel", "last", "mixed")
 def norm_finish() -> str:
     """Where a fused norm is computed on CUDA: one of ``NORM_FINISHES`` (``NORM_FINISH_ENV``;
     unset is "sums"). Any other value of the variable is an error."""
-    asked = os.environ.get(NORM_FINISH_ENV, NORM_FINISHES[0])
-    if asked not in NORM_FINISHES:
-        raise ValueError(f"{NORM_FINISH_ENV}={asked!r}: set it to one of {NORM_FINISHES}")
-    return asked
+    return env_choice(NORM_FINISH_ENV, NORM_FINISHES)
 
 
 def norm_in_finish(op: str, norm=None) -> bool:

@@ -619,24 +619,37 @@ def test_the_norm_modes_say_where_a_fused_norm_is_finished(monkeypatch):
         norm_in_finish("mlp")
 
 
-def test_the_normlate_modes_are_the_default_steps_with_the_norm_kernels_starting_late(
-        monkeypatch):
+@pytest.mark.parametrize("suffix,late,start", [("normlate", "late", "wait"),
+                                                ("exit", "late", "exit")])
+def test_the_launch_modes_are_the_default_steps_with_their_switches(monkeypatch, suffix, late,
+                                                                    start):
     """``dejavu_captured_qkv_normlate_pdl`` and ``dejavu_captured_ahead_normlate_pdl`` are
-    OPT-13B's and Llama-3-8B's default steps run with ``DEJAVU_NORM_LAUNCH=late``; every
-    other mode runs with it unset (plain, the default), whatever the environment said, which
-    is restored afterwards."""
-    from dejavu_compile.kernels.triton_common import NORM_LAUNCH_ENV, norm_launch
+    OPT-13B's and Llama-3-8B's default steps run with ``DEJAVU_NORM_LAUNCH=late``; the
+    ``*_exit_pdl`` modes with ``DEJAVU_PDL_START=exit`` as well (every kernel launched
+    programmatically, none starting its successor before its programs exit). Every other mode
+    runs with both unset (plain and "wait", the defaults), whatever the environment said,
+    which is restored afterwards."""
+    from dejavu_compile.kernels.triton_common import (
+        NORM_LAUNCH_ENV,
+        PDL_START_ENV,
+        norm_launch,
+        pdl_start,
+    )
 
-    monkeypatch.setenv(NORM_LAUNCH_ENV, "late")  # set outside: the mode says its own
+    # set outside: each mode says its own
+    monkeypatch.setenv(NORM_LAUNCH_ENV, "late")
+    monkeypatch.setenv(PDL_START_ENV, "exit")
     modes = bench._DEJAVU_MODES
-    for late, step in (("dejavu_captured_qkv_normlate_pdl", "dejavu_captured_qkv_pdl"),
-                       ("dejavu_captured_ahead_normlate_pdl", "dejavu_captured_ahead_ipdl_pdl")):
-        assert late in bench.SPARSE_MODES and modes[late] == modes[step]
-        with bench.kernel_switches(late):
-            assert norm_launch() == "late"
+    for name, step in (("qkv", "dejavu_captured_qkv_pdl"),
+                       ("ahead", "dejavu_captured_ahead_ipdl_pdl")):
+        mode = f"dejavu_captured_{name}_{suffix}_pdl"
+        assert mode in bench.SPARSE_MODES and modes[mode] == modes[step]
+        with bench.kernel_switches(mode):
+            assert (norm_launch(), pdl_start()) == (late, start)
         with bench.kernel_switches(step):
-            assert NORM_LAUNCH_ENV not in os.environ and norm_launch() == "plain"
-    assert os.environ[NORM_LAUNCH_ENV] == "late"
+            assert NORM_LAUNCH_ENV not in os.environ and PDL_START_ENV not in os.environ
+            assert (norm_launch(), pdl_start()) == ("plain", "wait")
+    assert (os.environ[NORM_LAUNCH_ENV], os.environ[PDL_START_ENV]) == ("late", "exit")
 
 
 def test_the_gemv_modes_pair_the_default_steps_with_and_without_dense_gemv():

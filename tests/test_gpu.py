@@ -548,9 +548,10 @@ def test_multi_kernel_in_the_captured_lazy_step():
 
 @pytest.mark.parametrize("lazy,fuse,norm", [
     (False, False, "plain"), (False, True, "plain"), (True, False, "plain"),
-    (True, True, "plain"), (False, False, "late"), (True, True, "late")],
+    (True, True, "plain"), (False, False, "late"), (True, True, "late"),
+    (True, True, "exit")],
     ids=["dense_kv-kv", "dense_kv-qkv", "lazy_kv-kv", "lazy_kv-qkv", "dense_kv-kv-late",
-         "lazy_kv-qkv-late"])
+         "lazy_kv-qkv-late", "lazy_kv-qkv-exit"])
 def test_uncaptured_step_under_programmatic_launch(lazy, fuse, norm):
     """The step of ``test_multi_kernel_in_the_captured_lazy_step``'s small OPT (the fixed
     selector at MLP 0.25 and heads 0.5; K/V dense or lazy, with the query fused in or not),
@@ -561,13 +562,14 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse, norm):
     ``CapturedStep``'s first call with a cache runs this way, and so do Inductor's CUDA graphs'
     first calls. ``norm``: how the add-norm and finish kernels launch
     (``DEJAVU_NORM_LAUNCH``: plainly, the default, or programmatically starting their
-    successor last).
+    successor last); "exit": those two programmatically and no kernel starting its successor
+    before its programs exit (``DEJAVU_PDL_START=exit``, the bench's ``*_exit_pdl`` modes).
 
     On an H200 (forty-fifth session, BENCHMARKS.md) such runs were up to 0.80
     apart in 6 of 8 runs with lazy K/V and 4 of 8 with dense K/V (about 0.07 allowed), and
     right in every run with the add-norm and finish kernels launched plainly
     (``examples/race_study.py``)."""
-    from dejavu_compile.kernels.triton_common import NORM_LAUNCH_ENV
+    from dejavu_compile.kernels.triton_common import NORM_LAUNCH_ENV, PDL_START_ENV
 
     from dejavu_compile.bench import kernel_switches
 
@@ -589,7 +591,9 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse, norm):
         _teacher_forced_logits(model, fwd, tokens, 16)  # compiles, tunes, re-lays out
         want = _teacher_forced_logits(model, fwd, tokens, 16)
         os.environ["DEJAVU_PDL"] = "1"
-        os.environ[NORM_LAUNCH_ENV] = norm
+        os.environ[NORM_LAUNCH_ENV] = "late" if norm == "exit" else norm
+        if norm == "exit":
+            os.environ[PDL_START_ENV] = "exit"
         fwd = compiled({})
         _teacher_forced_logits(model, fwd, tokens, 16)
         runs = [_teacher_forced_logits(model, fwd, tokens, 16) for _ in range(4)]

@@ -1067,6 +1067,8 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from triton.tools.disasm import get_sass
 
+# the PDL meta-parameter: True (each kernel starts its successor itself), or as argv[2] says
+pdl = int(sys.argv[2]) if len(sys.argv) > 2 else True
 done = set()
 for launch in json.load(open(sys.argv[1])):
     key = json.dumps(launch, sort_keys=True)
@@ -1081,7 +1083,7 @@ for launch in json.load(open(sys.argv[1])):
     for p in fn.params:
         v = launch["args"].get(p.name, defaults[p.name].default)
         if p.is_constexpr:
-            const[p.name] = True if p.name == "PDL" else v
+            const[p.name] = pdl if p.name == "PDL" else v
         elif isinstance(v, str):
             sig[p.name] = v
         elif v is None:
@@ -1168,6 +1170,64 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
         assert c["sass_loads"] == c["loads"], c
         assert c["sass_start"] >= 0 and (c["sass_start"] < c["sass_wait"]) == c["after"], c
         assert not c["late"] or c["sass_start"] > c["sass_last_write"] > 0, c
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="reads the launchers' launches under the interpreter")
+def test_no_kernel_starts_its_successor_under_exit_start(tmp_path):
+    """Under ``DEJAVU_PDL_START=exit`` (``PDL`` is ``triton_common.PDL_EXIT``) every kernel a
+    decode step launches, compiled for an sm_90 GPU, still waits before it writes (the PTX and
+    ptxas's machine code, as in the test above), and none starts its successor (no
+    ``griddepcontrol.launch_dependents``, no ``PREEXIT``): the successor starts as its
+    programs exit. One launch of each kernel (the first ``_step_launches`` makes), to keep
+    the compile short."""
+    import json
+    import subprocess
+    import sys
+
+    from dejavu_compile.kernels import triton_common as tc
+
+    first = {}
+    for launch in _step_launches():
+        key = (launch["name"], launch["args"].get("AFTER"), launch["args"].get("LATE"))
+        first.setdefault(key, launch)
+    (tmp_path / "launches.json").write_text(json.dumps(list(first.values())))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_LAUNCHES, "launches.json",
+                          str(tc.PDL_EXIT)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    compiled = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {c["name"] for c in compiled} >= {"_up_kernel", "_down_kernel", "_lazy_kv_kernel",
+                                             "_add_norm_kernel", "_finish_kernel",
+                                             "_split_kernel", "_combine_kernel"}
+    assert any(c["after"] for c in compiled) and any(c["late"] for c in compiled)
+    for c in compiled:
+        assert c["waits"] >= 1 and (c["write"] == -1 or c["write"] > c["wait"]), c
+        assert c["start"] == -1 and c["sass_start"] == -1, c
+        assert c["sass_waits"] >= 1 and c["sass_writes"] == 0, c
+
+
+def test_pdl_start_says_where_kernels_start_their_successor(monkeypatch):
+    """``pdl_meta`` gives ``PDL`` True under ``DEJAVU_PDL_START=wait`` (and unset) and
+    ``PDL_EXIT`` under ``exit``, with Triton's ``launch_pdl`` either way, where programmatic
+    launch is on; ``PDL`` false and no ``launch_pdl`` where it is off, whatever the variable
+    says; any other value is an error naming the variable."""
+    from dejavu_compile.kernels import triton_common as tc
+
+    monkeypatch.setattr(tc, "programmatic", lambda: True)
+    monkeypatch.delenv(tc.PDL_START_ENV, raising=False)
+    assert tc.pdl_start() == "wait" and tc.pdl_meta() == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(tc.PDL_START_ENV, "wait")
+    assert tc.pdl_meta() == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(tc.PDL_START_ENV, "exit")
+    assert tc.pdl_meta() == {"PDL": tc.PDL_EXIT, "launch_pdl": True} and tc.PDL_EXIT == 2
+    monkeypatch.setenv(tc.NORM_LAUNCH_ENV, "late")
+    assert tc.norm_launch_meta(False) == {"PDL": tc.PDL_EXIT, "launch_pdl": True, "LATE": True}
+    monkeypatch.setattr(tc, "programmatic", lambda: False)
+    assert tc.pdl_meta() == {"PDL": False}
+    monkeypatch.setenv(tc.PDL_START_ENV, "last")
+    with pytest.raises(ValueError, match="DEJAVU_PDL_START='last'"):
+        tc.pdl_start()
 
 
 def test_up_kernel_loads_before_its_wait_only_after_the_ops_own_launch(monkeypatch):
