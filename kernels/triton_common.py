@@ -159,9 +159,9 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
 # may before their wait while this kernel still runs. "exit": no kernel starts its successor
 # itself, so the successor starts as this kernel's last programs exit (the implicit start),
 # each kernel still launched programmatically and waiting as before: what remains is the
-# launch's latency hidden, not the overlap. NVIDIA fixed a kernel of TensorRT-LLM that gave
-# wrong results (nvbug 6168859, pull request 14537, "move tinygemm PDL release after
-# reduction") by moving its start after its output's stores, as ``late`` did for the add-norm
+# launch's latency hidden, not the overlap. A TensorRT-LLM bug fix (nvbug 6168859,
+# pull request 14537, "move tinygemm PDL release after reduction") moved a kernel's start of
+# its successor after that kernel's output stores, as ``late`` did for the add-norm
 # kernel here, whose start right after its wait gave wrong steps that no read before a wait
 # explains (BENCHMARKS.md, forty-fifth to forty-ninth sessions). "exit" is the same rule for
 # every kernel; not yet timed on a GPU, so off. ``dejavu bench`` modes ``*_exit_pdl`` set it.
