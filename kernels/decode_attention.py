@@ -379,13 +379,13 @@ def _targets(q: torch.Tensor, groups: int, g: int, length: int):
     padded rows and head size (``GP``, ``BLOCK_D``), the merge's rows (``GR``), ``chunking``'s
     keys per chunk and chunks, the fp32 partials (output, maximum, sum) and the output."""
     b, h, _, d = q.shape
-    gp, block_d = max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
+    gr = triton.next_power_of_2(g)
+    gp, block_d = max(16, gr), max(16, triton.next_power_of_2(d))
     chunk, splits = chunking(groups, length)
     part_o = torch.empty(groups * splits * gp * block_d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(groups * splits * gp, device=q.device, dtype=torch.float32)
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
-    return (gp, block_d, triton.next_power_of_2(g), chunk, splits, part_o, part_m,
-            torch.empty_like(part_m), out)
+    return gp, block_d, gr, chunk, splits, part_o, part_m, torch.empty_like(part_m), out
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -642,7 +642,8 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
               os.environ.get(lazy_kv.GRID_ENV))
     norm_before = norm_state()
     assert norm_before[:2] == (False, False)  # the fix: both kernels launch plainly
-    changed, norm, late = {}, {}, {}
+    changed, norm, late, starts = {}, {}, {}, {}
+    start_before = os.environ.get(triton_common.PDL_START_ENV)
     for name, variant in study.variants().items():
         with variant():
             changed[name] = ([m.pdl_meta for m in modules], lazy_kv._launch,
@@ -650,6 +651,8 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
             norm[name] = norm_state()
             if triton_common.norm_launch() != "plain":
                 late[name] = triton_common.norm_launch()
+            if triton_common.pdl_start() != "wait":
+                starts[name] = triton_common.pdl_start()
             if name == "dejavu plain":
                 assert all(m.pdl_meta() == {"PDL": False} for m in modules)
             if name == "lazy unsplit":
@@ -658,6 +661,7 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
         assert ([m.pdl_meta for m in modules], lazy_kv._launch, lazy_kv.step_config,
                 os.environ.get(lazy_kv.GRID_ENV)) == before, name
         assert norm_state() == norm_before, name
+        assert os.environ.get(triton_common.PDL_START_ENV) == start_before, name
     assert norm["add_norm programmatic"][:3] == (True, False, norm_before[2])
     assert norm["finish programmatic"][:3] == (False, True, norm_before[2])
     assert norm["norm programmatic"][:3] == (True, True, norm_before[2])
@@ -665,6 +669,9 @@ def test_race_study_variants_each_take_one_suspect_away_and_put_it_back():
         assert norm[f"norm programmatic sync {when}"][:2] == (True, True)
         assert norm[f"norm programmatic sync {when}"][2] is not norm_before[2]
     assert late == {"norm late": "late"}  # the variable set inside that variant only
+    # the exit variant: both kernels programmatic, no kernel starting its successor early
+    assert norm["norm programmatic exit"][:3] == (True, True, norm_before[2])
+    assert starts == {"norm programmatic exit": "exit"}
     for name in ("mlp plain", "output plain", "others plain"):
         assert norm[name][3] is not norm_before[3] and norm[name][:3] == norm_before[:3]
     for group in ("mlp", "projection", "output", "attention", "selector", "lazy"):

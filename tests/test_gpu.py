@@ -569,7 +569,7 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse, norm):
     apart in 6 of 8 runs with lazy K/V and 4 of 8 with dense K/V (about 0.07 allowed), and
     right in every run with the add-norm and finish kernels launched plainly
     (``examples/race_study.py``)."""
-    from dejavu_compile.kernels.triton_common import NORM_LAUNCH_ENV, PDL_START_ENV
+    from dejavu_compile.kernels.triton_common import NORM_LAUNCH_ENV
 
     from dejavu_compile.bench import kernel_switches
 
@@ -579,6 +579,9 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse, norm):
     options = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
                "fuse_qkv": fuse, "cudagraphs": False, "lazy_kv": lazy}
     mode = "dejavu_captured_qkv_pdl" if fuse else "dejavu_captured_lazy_pdl"
+    if norm == "exit":  # the bench mode sets DEJAVU_PDL_START and DEJAVU_NORM_LAUNCH itself
+        assert fuse
+        mode = "dejavu_captured_qkv_exit_pdl"
 
     def compiled(extra: dict):
         torch._dynamo.reset()
@@ -591,9 +594,8 @@ def test_uncaptured_step_under_programmatic_launch(lazy, fuse, norm):
         _teacher_forced_logits(model, fwd, tokens, 16)  # compiles, tunes, re-lays out
         want = _teacher_forced_logits(model, fwd, tokens, 16)
         os.environ["DEJAVU_PDL"] = "1"
-        os.environ[NORM_LAUNCH_ENV] = "late" if norm == "exit" else norm
-        if norm == "exit":
-            os.environ[PDL_START_ENV] = "exit"
+        if norm != "exit":
+            os.environ[NORM_LAUNCH_ENV] = norm
         fwd = compiled({})
         _teacher_forced_logits(model, fwd, tokens, 16)
         runs = [_teacher_forced_logits(model, fwd, tokens, 16) for _ in range(4)]
