@@ -714,3 +714,67 @@ def test_race_study_plain_launches_only_the_named_kernels():
         JITFunction.run(kernel("_finish_kernel", ("x",)), 1, grid=(1,), warmup=False, **asked)
     assert seen == [("_finish_kernel", {"PDL": False, "BLOCK": 4}),
                     ("_add_norm_kernel", asked), ("_finish_kernel", asked)]
+
+
+_PROBE_PTX = """
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, sys.argv[1])
+import pdl_probe as probe
+
+kinds = (("griddepcontrol.wait", "wait"), ("griddepcontrol.launch_dependents", "start"),
+         ("ld.volatile.global", "read"), ("st.global", "store"))
+cases = [(probe._producer, {"flag_ptr": "*i32", "sink_ptr": "*fp32", "spin": "i32"},
+          {"EARLY": early}) for early in (True, False)]
+cases += [(probe._reader, {"flag_ptr": "*i32", "out_ptr": "*i32"}, {"PDL": pdl, "START": start})
+          for pdl, start in ((True, False), (True, True), (False, False))]
+for fn, sig, const in cases:
+    sig = {**sig, **{k: "constexpr" for k in const}}
+    ptx = triton.compile(ASTSource(fn, sig, constexprs=const),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    order = [name for line in ptx.splitlines() for text, name in kinds if text in line]
+    print(fn.__name__, *const.values(), " ".join(order))
+"""
+
+
+def test_pdl_probe_kernels_read_wait_and_start_where_its_cases_need(tmp_path):
+    """``examples/pdl_probe.py``'s kernels compiled for an sm_90 GPU (Triton's ptxas, no GPU
+    needed): the producer waits, lets its successor start only with ``EARLY``, and sets the
+    flag last; the reader reads the flag before its wait and again after it (two volatile
+    loads, not merged), lets its successor start after its wait only with ``START``, and has
+    no wait when launched plainly."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _PROBE_PTX,
+                          str(Path(__file__).parents[1] / "examples")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "_producer True wait start store store",
+        "_producer False wait store store",
+        "_reader True False read wait read store store",
+        "_reader True True read wait start read store store",
+        "_reader False False read read store store",
+    ], out.stdout
+
+
+def test_pdl_probe_refuses_bad_arguments_and_a_machine_without_hopper():
+    """``pdl_probe.main``: ``--trials`` or ``--spin`` below 1 is an error naming it; without
+    a CUDA GPU of compute capability 9.0 or later it stops with a message saying so."""
+    probe = load_example(Path(__file__).parents[1] / "examples" / "pdl_probe.py")
+    with pytest.raises(SystemExit, match="--trials must be at least 1, got 0"):
+        probe.main(["--trials", "0"])
+    with pytest.raises(SystemExit, match="--spin must be at least 1, got -3"):
+        probe.main(["--spin", "-3"])
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("this machine has a Hopper GPU: the probe runs here")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU of compute capability 9.0"):
+        probe.main(["--trials", "1"])
