@@ -164,7 +164,9 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
 # its successor after that kernel's output stores, as ``late`` did for the add-norm
 # kernel here, whose start right after its wait gave wrong steps that no read before a wait
 # explains (BENCHMARKS.md, forty-fifth to forty-ninth sessions). "exit" is the same rule for
-# every kernel; not yet timed on a GPU, so off. ``dejavu bench`` modes ``*_exit_pdl`` set it.
+# every kernel. On an H200 (fifty-first session) ``race_study``'s ``norm programmatic`` launches
+# were right in 5 of 5 runs under it and wrong in 5 of 5 without it; not yet timed, so off.
+# ``dejavu bench`` modes ``*_exit_pdl`` set it.
 PDL_START_ENV = "DEJAVU_PDL_START"
 PDL_STARTS = ("wait", "exit")
 # the ``PDL`` meta-parameter under "exit" (``wait_inputs`` and ``start_dependents`` start
