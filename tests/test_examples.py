@@ -728,11 +728,14 @@ sys.path.insert(0, sys.argv[1])
 import pdl_probe as probe
 
 kinds = (("griddepcontrol.wait", "wait"), ("griddepcontrol.launch_dependents", "start"),
-         ("ld.volatile.global", "read"), ("st.global", "store"))
+         ("ld.volatile.global", "read"), ("ld.global", "load"), ("st.global", "store"))
+flags = {"flag_ptr": "*i32", "out_ptr": "*i32", "n": "i32"}
 cases = [(probe._producer, {"flag_ptr": "*i32", "sink_ptr": "*fp32", "spin": "i32"},
           {"EARLY": early}) for early in (True, False)]
-cases += [(probe._reader, {"flag_ptr": "*i32", "out_ptr": "*i32"}, {"PDL": pdl, "START": start})
-          for pdl, start in ((True, False), (True, True), (False, False))]
+cases += [(probe._reader, flags, {"PDL": pdl, "START": start, "BLOCK": 2, "CACHED": cached})
+          for pdl, start, cached in ((True, False, False), (True, True, False),
+                                     (False, False, False), (True, False, True))]
+cases += [(probe._warm, {"flag_ptr": "*i32", "sink_ptr": "*i32", "n": "i32"}, {"BLOCK": 2})]
 for fn, sig, const in cases:
     sig = {**sig, **{k: "constexpr" for k in const}}
     ptx = triton.compile(ASTSource(fn, sig, constexprs=const),
@@ -744,10 +747,11 @@ for fn, sig, const in cases:
 
 def test_pdl_probe_kernels_read_wait_and_start_where_its_cases_need(tmp_path):
     """``examples/pdl_probe.py``'s kernels compiled for an sm_90 GPU (Triton's ptxas, no GPU
-    needed): the producer waits, lets its successor start only with ``EARLY``, and sets the
-    flag last; the reader reads the flag before its wait and again after it (two volatile
-    loads, not merged), lets its successor start after its wait only with ``START``, and has
-    no wait when launched plainly."""
+    needed): the producer waits, lets its successor start only with ``EARLY``, and sets its
+    flag last; the reader reads the flags before its wait and again after it (two loads, not
+    merged: volatile ones, or with ``CACHED`` plain ones), lets its successor start after its
+    wait only with ``START``, and has no wait when launched plainly; the warm kernel reads
+    the flags plainly."""
     import os
     import subprocess
     import sys
@@ -758,22 +762,27 @@ def test_pdl_probe_kernels_read_wait_and_start_where_its_cases_need(tmp_path):
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == [
-        "_producer True wait start store store",
-        "_producer False wait store store",
-        "_reader True False read wait read store store",
-        "_reader True True read wait start read store store",
-        "_reader False False read read store store",
+        "_producer True wait start load store store",
+        "_producer False wait load store store",
+        "_reader True False 2 False read wait read store store",
+        "_reader True True 2 False read wait start read store store",
+        "_reader False False 2 False read read store store",
+        "_reader True False 2 True load wait load store store",
+        "_warm 2 load store",
     ], out.stdout
 
 
 def test_pdl_probe_refuses_bad_arguments_and_a_machine_without_hopper():
-    """``pdl_probe.main``: ``--trials`` or ``--spin`` below 1 is an error naming it; without
-    a CUDA GPU of compute capability 9.0 or later it stops with a message saying so."""
+    """``pdl_probe.main``: ``--trials``, ``--spin``, ``--programs`` or ``--readers`` below 1 is
+    an error naming it; without a CUDA GPU of compute capability 9.0 or later it stops with a
+    message saying so."""
     probe = load_example(Path(__file__).parents[1] / "examples" / "pdl_probe.py")
     with pytest.raises(SystemExit, match="--trials must be at least 1, got 0"):
         probe.main(["--trials", "0"])
     with pytest.raises(SystemExit, match="--spin must be at least 1, got -3"):
         probe.main(["--spin", "-3"])
+    with pytest.raises(SystemExit, match="--readers must be at least 1, got 0"):
+        probe.main(["--readers", "0", "--cached"])
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("this machine has a Hopper GPU: the probe runs here")
     with pytest.raises(SystemExit, match="needs a CUDA GPU of compute capability 9.0"):
