@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 # Triton kernels run on CPU through the interpreter (read when kernels are decorated, so before
@@ -94,3 +96,14 @@ def load_example(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def compile_outside_interpreter(code: str, *args: str, cwd: Path, timeout: int = 600) -> str:
+    """The output of the script ``code`` (with ``args``) run in a fresh Python without
+    ``TRITON_INTERPRET``, so that it can compile Triton kernels for a GPU target (Triton's own
+    ptxas, no GPU needed); a failure is the test's, with the script's error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         env=env, cwd=cwd, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout

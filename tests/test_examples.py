@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import load_example
+from .conftest import compile_outside_interpreter, load_example
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.py"))
 
@@ -752,16 +752,9 @@ def test_pdl_probe_kernels_read_wait_and_start_where_its_cases_need(tmp_path):
     merged: volatile ones, or with ``CACHED`` plain ones), lets its successor start after its
     wait only with ``START``, and has no wait when launched plainly; the warm kernel reads
     the flags plainly."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _PROBE_PTX,
-                          str(Path(__file__).parents[1] / "examples")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == [
+    stdout = compile_outside_interpreter(_PROBE_PTX, str(Path(__file__).parents[1] / "examples"),
+                                         cwd=tmp_path)
+    assert stdout.splitlines() == [
         "_producer True wait start load store store",
         "_producer False wait load store store",
         "_reader True False 2 False read wait read store store",
@@ -769,7 +762,7 @@ def test_pdl_probe_kernels_read_wait_and_start_where_its_cases_need(tmp_path):
         "_reader False False 2 False read read store store",
         "_reader True False 2 True load wait load store store",
         "_warm 2 load store",
-    ], out.stdout
+    ], stdout
 
 
 def test_pdl_probe_refuses_bad_arguments_and_a_machine_without_hopper():

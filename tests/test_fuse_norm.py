@@ -17,7 +17,7 @@ from dejavu_compile.kernels import reference as ref
 from dejavu_compile import bench
 from dejavu_compile.config import DejavuOptions
 
-from .conftest import deterministic_algorithms
+from .conftest import compile_outside_interpreter, deterministic_algorithms
 from .test_backend import _capture, _dejavu_nodes
 from .test_kernels import DEVICE, TOL, _mlp_case, _rand, _ref64, _selection
 
@@ -523,16 +523,9 @@ for fn, ptrs, const in cases:
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     print(fn.__name__, ptx.count("atom.global"), ptx.count("ld.global.cg"))
 """
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    stdout = compile_outside_interpreter(code, cwd=tmp_path)
+    rows = [line.split() for line in stdout.splitlines()]
     assert [r[0] for r in rows] == ["_down_kernel", "_head_out_kernel", "_add_norm_kernel",
-                                    "_add_norm_kernel", "_add_norm_kernel"], out.stdout
+                                    "_add_norm_kernel", "_add_norm_kernel"], stdout
     # the row's statistics and values are read from L2, where the other programs stored them
-    assert all(int(r[2]) > 0 for r in rows[:2]), out.stdout
+    assert all(int(r[2]) > 0 for r in rows[:2]), stdout

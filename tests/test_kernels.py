@@ -11,7 +11,7 @@ import pytest
 import torch
 from dejavu_compile.kernels import reference as ref
 
-from .conftest import deterministic_algorithms
+from .conftest import compile_outside_interpreter, deterministic_algorithms
 
 heads = pytest.importorskip("dejavu_compile.kernels.heads")
 sparse_mlp = pytest.importorskip("dejavu_compile.kernels.sparse_mlp")
@@ -922,21 +922,15 @@ for early in (False, True):
         before = ptx[: ptx.index("griddepcontrol.wait")].count("ld.global")
         print("out", early, tiles, waits, before > 0)
 """
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    stdout = compile_outside_interpreter(code, cwd=tmp_path)
+    rows = [line.split() for line in stdout.splitlines()]
     up, head_out = [r for r in rows if r[0] != "out"], [r[1:] for r in rows if r[0] == "out"]
-    assert len(up) == 12 and all(r[4] == "1" for r in up), out.stdout
+    assert len(up) == 12 and all(r[4] == "1" for r in up), stdout
     # the early order loads (ids, weights) before its wait; waiting first loads nothing before
-    assert all(r[5] == "True" for r in up if r[1] == "True"), out.stdout
-    assert all(r[5] == "False" for r in up if r[:2] == ["False", "False"]), out.stdout
+    assert all(r[5] == "True" for r in up if r[1] == "True"), stdout
+    assert all(r[5] == "False" for r in up if r[:2] == ["False", "False"]), stdout
     assert head_out == [["False", "1", "1", "False"], ["False", "3", "1", "False"],
-                        ["True", "1", "1", "True"], ["True", "3", "1", "True"]], out.stdout
+                        ["True", "1", "1", "True"], ["True", "3", "1", "True"]], stdout
 
 
 _PTX_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
@@ -1140,16 +1134,12 @@ def test_every_kernel_waits_before_it_writes_under_programmatic_launch(tmp_path)
     same global loads before the wait as the PTX, no store or atomic before it, and the late
     start after the last store."""
     import json
-    import subprocess
-    import sys
 
     launches = _step_launches()
     (tmp_path / "launches.json").write_text(json.dumps(launches))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_LAUNCHES, "launches.json"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    compiled = [json.loads(line) for line in out.stdout.splitlines()]
+    stdout = compile_outside_interpreter(_COMPILE_LAUNCHES, "launches.json", cwd=tmp_path,
+                                         timeout=900)
+    compiled = [json.loads(line) for line in stdout.splitlines()]
     names = {c["name"] for c in compiled}
     assert names >= {"_up_kernel", "_down_kernel", "_up_union_kernel", "_down_union_kernel",
                      "_head_proj_kernel", "_head_out_kernel", "_head_out_cols_kernel",
@@ -1181,8 +1171,6 @@ def test_no_kernel_starts_its_successor_under_exit_start(tmp_path):
     programs exit. One launch of each kernel (the first ``_step_launches`` makes), to keep
     the compile short."""
     import json
-    import subprocess
-    import sys
 
     from dejavu_compile.kernels import triton_common as tc
 
@@ -1191,12 +1179,9 @@ def test_no_kernel_starts_its_successor_under_exit_start(tmp_path):
         key = (launch["name"], launch["args"].get("AFTER"), launch["args"].get("LATE"))
         first.setdefault(key, launch)
     (tmp_path / "launches.json").write_text(json.dumps(list(first.values())))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_LAUNCHES, "launches.json",
-                          str(tc.PDL_EXIT)],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    compiled = [json.loads(line) for line in out.stdout.splitlines()]
+    stdout = compile_outside_interpreter(_COMPILE_LAUNCHES, "launches.json", str(tc.PDL_EXIT),
+                                         cwd=tmp_path, timeout=900)
+    compiled = [json.loads(line) for line in stdout.splitlines()]
     assert {c["name"] for c in compiled} >= {"_up_kernel", "_down_kernel", "_lazy_kv_kernel",
                                              "_add_norm_kernel", "_finish_kernel",
                                              "_split_kernel", "_combine_kernel"}
