@@ -717,7 +717,6 @@ def test_race_study_plain_launches_only_the_named_kernels():
 
 
 _PROBE_PTX = """
-import re
 import sys
 
 import triton
