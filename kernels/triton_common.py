@@ -167,7 +167,7 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
 # every kernel. On an H200 (fifty-first session) ``race_study``'s ``norm programmatic`` launches
 # were right in 5 of 5 runs under it and wrong in 5 of 5 without it. On an H100 (fifty-second
 # session) OPT-13B's step ran 4.22 ms under it against 4.08 for the default, one round side by
-# side (each process tuning its own tiles: no H100 configs are shipped): slower, so off.
+# side (each process tuning its own tiles: no H100 configs were shipped then): slower, so off.
 # ``dejavu bench`` modes ``*_exit_pdl`` set it.
 PDL_START_ENV = "DEJAVU_PDL_START"
 PDL_STARTS = ("wait", "exit")
