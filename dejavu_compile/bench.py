@@ -374,6 +374,8 @@ class DecodeResult:
 
 
 PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
+E2E_PROMPT = 128  # end-to-end: prompt tokens prefilled before the timed steps (--prompt)
+E2E_NEW = 128  # end-to-end: decode steps timed
 BREAKDOWN_ROWS = 12  # kernels and host events a breakdown's table shows (the JSON has them all)
 
 
@@ -1032,7 +1034,8 @@ def dejavu_forward(model, mode: str, operating_point: dict, rank: int, path):
 
 
 @torch.no_grad()
-def end_to_end(name: str, cfg, operating_point: dict, prompt: int = 128, new: int = 128,
+def end_to_end(name: str, cfg, operating_point: dict, prompt: int = E2E_PROMPT,
+               new: int = E2E_NEW,
                rank: int = 128, workdir=None, modes=MODES, breakdown: bool = False,
                cpus: list[int] | None = None):
     """Per-token decode latency of each mode on a random model of ``cfg``'s shape; yields one
@@ -1293,6 +1296,38 @@ def _checked(models: list[str]) -> dict:
     return configs
 
 
+def cache_positions(prompt: int, breakdown: bool) -> int:
+    """Positions of the static cache an end-to-end mode decodes into (``decode_latency``): the
+    prompt, the timed steps, the profiled ones with ``breakdown``, and one to spare."""
+    return prompt + E2E_NEW + (2 * PROFILED_STEPS if breakdown else 0) + 1
+
+
+def check_prompt(prompt: int, models: list[str], configs: dict, breakdown: bool) -> None:
+    """Refuse an end-to-end prompt that is not a positive whole number of tokens, or whose
+    cache would pass a model's positions (OPT's learned position embeddings stop at 2048)."""
+    if isinstance(prompt, bool) or not isinstance(prompt, int) or prompt < 1:
+        raise ValueError(f"the end-to-end prompt must be a whole number of tokens >= 1, "
+                         f"got {prompt!r}")
+    need = cache_positions(prompt, breakdown)
+    for name in models:
+        limit = getattr(configs[name], "max_position_embeddings", None)
+        if limit is not None and need > limit:
+            raise ValueError(
+                f"--prompt {prompt}: {name} has {limit} positions, and its decode steps need "
+                f"{need} (the prompt, {E2E_NEW} timed steps"
+                f"{f', {2 * PROFILED_STEPS} profiled' if breakdown else ''} and one); give "
+                f"--prompt {limit - need + prompt} or less")
+
+
+def kv_cache_bytes(cfg, positions: int, dtype_bytes: int = 2) -> int:
+    """Bytes of a static K/V cache of ``positions`` for ``cfg``'s shape: keys and values of
+    every layer and KV head."""
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * positions * dtype_bytes
+
+
 def check_densities(densities) -> None:
     """Refuse kernel-sweep densities that are none, or not each in (0, 1]."""
     if not densities or any(not 0.0 < x <= 1.0 for x in densities):
@@ -1302,19 +1337,23 @@ def check_densities(densities) -> None:
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
         kv_attention: str = KV_ATTENTION[0], tuned: str | None = None,
-        densities=DENSITIES, blocks=SWEEP_BLOCKS, cpus: list[int] | None = None) -> dict:
+        densities=DENSITIES, blocks=SWEEP_BLOCKS, cpus: list[int] | None = None,
+        prompt: int = E2E_PROMPT) -> dict:
     """The whole benchmark; returns (and optionally writes) a JSON-able dict. ``tuned``: a
     file of tuned configs (``load_tuned``) that the kernels run with instead of tuning those
     keys; the result's ``tuned`` holds every config used, ``tuned_from`` that file, and
     ``shipped`` the shipped file seeded (by the kernel sweep, or by the backend's option
     ``shipped_configs``) if any.
     ``densities``: the kernel sweep's, each in (0, 1]; ``blocks``: its parts (``SWEEP_BLOCKS``).
-    ``cpus``: the end-to-end modes' timed steps pinned to these CPUs (``decode_latency``)."""
+    ``cpus``: the end-to-end modes' timed steps pinned to these CPUs (``decode_latency``).
+    ``prompt``: the end-to-end modes' prompt tokens (``check_prompt``)."""
     cpus = check_cpus(cpus)
     if kernels:
         check_densities(densities)
         check_blocks(blocks)
     configs = _checked(models)
+    if e2e:
+        check_prompt(prompt, models, configs, breakdown)
     seeded = tuning.seed(load_tuned(tuned)) if tuned else 0
     gpu = torch.cuda.get_device_name()
     if kernels:
@@ -1357,14 +1396,17 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                 save()
         if e2e:
             point = OPERATING_POINTS[name]
-            for res in end_to_end(name, configs[name], point, modes=modes, breakdown=breakdown,
-                                  cpus=cpus):
+            positions = cache_positions(prompt, breakdown)
+            for res in end_to_end(name, configs[name], point, prompt=prompt, modes=modes,
+                                  breakdown=breakdown, cpus=cpus):
                 row = {"model": name, "mode": res.mode, "ms_per_token": res.ms_per_token,
                        "p20": res.spread[0], "p80": res.spread[1],
                        "bytes_per_token": res.bytes_per_token,
                        "floor_ms": res.bytes_per_token / bw * 1e3, "peak_gib": res.peak_gib,
                        "host_ms": res.host_ms, "pipelined_ms": res.pipelined_ms,
-                       "operating_point": point}
+                       "operating_point": point, "prompt": prompt,
+                       "cache_positions": positions,
+                       "kv_cache_bytes": kv_cache_bytes(configs[name], positions)}
                 if res.breakdown is not None:
                     row["breakdown"] = res.breakdown
                     if res.gpu_timeline is not None:
@@ -1391,13 +1433,15 @@ def merge_tuned(into: dict, more: dict) -> dict:
 
 
 def child_command(model: str, mode: str, out_json: str, breakdown: bool,
-                  tuned: str | None, cpus: list[int] | None = None) -> list[str]:
+                  tuned: str | None, cpus: list[int] | None = None,
+                  prompt: int = E2E_PROMPT) -> list[str]:
     """The ``dejavu bench`` command line that measures one end-to-end mode in a process of its
     own (``isolated``)."""
     cmd = [sys.executable, "-m", "dejavu_compile.cli", "bench", "--models", model,
            "--no-kernels", "--modes", mode, "--json", out_json]
     cmd += ["--breakdown"] if breakdown else []
     cmd += ["--tuned", tuned] if tuned else []
+    cmd += ["--prompt", str(prompt)]
     return cmd + (["--cpus", *map(str, cpus)] if cpus is not None else [])
 
 
@@ -1413,7 +1457,8 @@ def _run_child(cmd: list[str], timeout: float | None) -> tuple[int, str]:
 
 def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
              breakdown: bool = False, tuned: str | None = None, timeout: float | None = None,
-             runner=_run_child, cpus: list[int] | None = None) -> dict:
+             runner=_run_child, cpus: list[int] | None = None,
+             prompt: int = E2E_PROMPT) -> dict:
     """End-to-end decode latency with every mode in a process of its own, ``rounds`` times,
     the modes' order reversed every other round: a mode's time then owes nothing to the modes
     measured before it in the same process, and a drift of the machine over the run falls on
@@ -1424,8 +1469,8 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
     with all configs recorded so far (and those of ``tuned``, which come first), so every
     round runs the same tiles. A process that fails or passes ``timeout`` seconds is listed
     under ``failed`` with the tail of its output; the run goes on. ``cpus``: every process's
-    timed steps pinned to these CPUs (``decode_latency``)."""
-    _checked(models)
+    timed steps pinned to these CPUs (``decode_latency``); ``prompt``: its prompt tokens."""
+    check_prompt(prompt, models, _checked(models), breakdown)
     cpus = check_cpus(cpus)
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
@@ -1454,7 +1499,7 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
                     with open(seeds, "w") as f:
                         json.dump(configs, f)
                 code, tail = runner(child_command(name, mode, child_json, breakdown, seeds,
-                                                  cpus), timeout)
+                                                  cpus, prompt), timeout)
                 child = None
                 if os.path.exists(child_json):
                     with open(child_json) as f:
@@ -1534,7 +1579,9 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                 f"{copy} | {r['dense_ms'] * 1e3:.1f} us | {r['naive_ms'] * 1e3:.1f} us |")
         lines.append("")
     if result["e2e"]:
-        lines += ["### End to end (fp16, batch 1, 128-token prompt, 128 new tokens, static cache)",
+        prompts = sorted({r.get("prompt", E2E_PROMPT) for r in result["e2e"]})
+        lines += [f"### End to end (fp16, batch 1, {', '.join(map(str, prompts))}-token prompt, "
+                  f"{E2E_NEW} new tokens, static cache)",
                   "", "| model | mode | operating point | ms/token (p20-p80) | host ms | "
                   "pipelined ms/token | bytes/token | byte floor ms | peak GiB | "
                   "ms/token over HF compiled |",
@@ -1560,6 +1607,14 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                   "pace. pipelined: the same steps launched back to back, the next token and "
                   "its position kept on the GPU and one synchronisation at the end, so the "
                   "host's work overlaps the GPU's.", ""]
+        caches = {(r["model"], r["cache_positions"]): r["kv_cache_bytes"] for r in result["e2e"]
+                  if "kv_cache_bytes" in r}
+        if caches:
+            held = "; ".join(f"{m}, {n} positions: {b / 1e9:.2f} GB"
+                             for (m, n), b in sorted(caches.items()))
+            lines += ["bytes/token and the byte floor count weights only. The static K/V cache "
+                      f"(every layer and KV head) holds {held}; each step's attention reads all of "
+                      "it (with option decode_selected_heads, the selected heads' part).", ""]
         lines += _rounds_markdown(result["e2e"], hf)
         for r in result["e2e"]:
             if r.get("breakdown"):

@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 
-from .bench import DENSITIES, KV_ATTENTION, MODES, SWEEP_BLOCKS
+from .bench import DENSITIES, E2E_NEW, E2E_PROMPT, KV_ATTENTION, MODES, SWEEP_BLOCKS
 
 
 def _commit() -> str:
@@ -34,13 +34,14 @@ def _bench(args) -> int:
                              "give --no-kernels, and neither --no-e2e nor --kv")
         result = bench.isolated(args.models, args.modes, args.isolate, out_json=args.json,
                                 breakdown=args.breakdown, tuned=args.tuned,
-                                timeout=args.child_timeout, cpus=args.cpus)
+                                timeout=args.child_timeout, cpus=args.cpus,
+                                prompt=args.prompt)
     else:
         result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
                            e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
                            breakdown=args.breakdown, kv_attention=args.kv_attention,
                            tuned=args.tuned, densities=args.densities, blocks=args.blocks,
-                           cpus=args.cpus)
+                           cpus=args.cpus, prompt=args.prompt)
     command = "dejavu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     text = bench.markdown(result, command, _commit(), datetime.date.today().isoformat())
     if args.markdown:
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the kernel sweep's parts to run")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="end-to-end modes to run")
+    p.add_argument("--prompt", type=int, default=E2E_PROMPT, metavar="TOKENS",
+                   help=f"end-to-end: prompt tokens prefilled before the {E2E_NEW} timed "
+                        "decode steps (the cache and attention grow with it)")
     p.add_argument("--kv", action="store_true",
                    help="also sweep dense / projection / KV / both from 2K to 128K context "
                         "(Llama-3-8B shape); its JSON feeds `dejavu plan --costs`")

@@ -693,9 +693,11 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
-    monkeypatch.setattr(bench, "shape_configs", lambda: {"llama-3-8b": None})
+    llama = bench.shape_configs()["llama-3-8b"]
+    monkeypatch.setattr(bench, "shape_configs", lambda: {"llama-3-8b": llama})
 
-    def end_to_end(name, cfg, point, modes, breakdown, cpus):
+    def end_to_end(name, cfg, point, prompt, modes, breakdown, cpus):
+        assert prompt == bench.E2E_PROMPT
         yield bench.DecodeResult("hf_compiled", 6.0, (5.9, 6.1), 15 * 10**9, 15.1, host_ms=0.6,
                                  pipelined_ms=5.6)
         raise KeyboardInterrupt  # the time limit, before the second mode finished
@@ -706,6 +708,10 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
         bench.run(["llama-3-8b"], out_json=str(out), kernels=False)
     partial = json.loads(out.read_text())
     assert partial["complete"] is False and [r["mode"] for r in partial["e2e"]] == ["hf_compiled"]
+    # the prompt and the cache each row's steps decoded into: 128 + 128 timed steps + 1
+    (row,) = partial["e2e"]
+    assert (row["prompt"], row["cache_positions"]) == (128, 257)
+    assert row["kv_cache_bytes"] == 2 * 32 * 8 * 128 * 257 * 2
     text = bench.markdown(partial, "dejavu bench", "abc1234", "2026-12-01")
     assert "Partial: the run stopped before its end" in text and "hf_compiled" in text
 
@@ -986,3 +992,67 @@ def test_cpus_pin_the_timed_steps_and_travel_to_each_isolated_process(monkeypatc
     assert f"Timed steps pinned to CPU(s) {one} (`--cpus`" in text
     assert "pinned" not in bench.markdown({**result, "cpus": None}, "dejavu bench", "abc1234",
                                           "2026-12-03")
+
+
+def test_the_end_to_end_prompt_is_checked_passed_to_each_child_and_reported(monkeypatch):
+    """``dejavu bench --prompt``: a whole number of tokens whose cache fits the model's
+    positions (OPT's 2048, with the timed and profiled steps), refused before any process
+    starts; each isolated child gets it, and the markdown names it and what the cache holds."""
+    from dejavu_compile import cli
+
+    configs = bench.shape_configs()
+    assert bench.cache_positions(1919, False) == 1919 + 128 + 1 == 2048
+    bench.check_prompt(1919, ["opt-13b"], configs, False)
+    bench.check_prompt(4096, ["llama-3-8b"], configs, True)
+    with pytest.raises(ValueError, match=r"--prompt 1920: opt-13b has 2048 positions.*2049.*"
+                                         r"give --prompt 1919 or less"):
+        bench.check_prompt(1920, ["llama-3-8b", "opt-13b"], configs, False)
+    with pytest.raises(ValueError, match=r"16 profiled.*--prompt 1903 or less"):
+        bench.check_prompt(1919, ["opt-13b"], configs, True)
+    for bad in (0, -5, True, 12.0, "64"):
+        with pytest.raises(ValueError, match="whole number of tokens"):
+            bench.check_prompt(bad, ["opt-13b"], configs, False)
+    # keys and values of every layer and KV head: OPT's 40 heads, Llama's 8 KV heads of 32
+    assert bench.kv_cache_bytes(configs["opt-13b"], 100) == 2 * 40 * 40 * 128 * 100 * 2
+    assert bench.kv_cache_bytes(configs["llama-3-8b"], 100) == 2 * 32 * 8 * 128 * 100 * 2
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    cmds = []
+
+    def runner(cmd, timeout):
+        cmds.append(cmd)
+        prompt = int(cmd[cmd.index("--prompt") + 1])
+        positions = bench.cache_positions(prompt, False)
+        row = {"model": "opt-13b", "mode": cmd[cmd.index("--modes") + 1], "ms_per_token": 4.0,
+               "p20": 1.0, "p80": 2.0, "bytes_per_token": 1e9, "floor_ms": 0.2,
+               "peak_gib": 1.0, "operating_point": {"mlp": 0.1, "attention": 0.5},
+               "prompt": prompt, "cache_positions": positions,
+               "kv_cache_bytes": bench.kv_cache_bytes(configs["opt-13b"], positions)}
+        json.dump({"gpu": "H", "copy_gbs": 4000.0, "e2e": [row]},
+                  open(cmd[cmd.index("--json") + 1], "w"))
+        return 0, ""
+
+    with pytest.raises(ValueError, match="--prompt 4096: opt-13b has 2048 positions"):
+        bench.isolated(["opt-13b"], ["hf_compiled"], 1, runner=runner, prompt=4096)
+    assert cmds == []
+    result = bench.isolated(["opt-13b"], ["hf_compiled", "dejavu_sparse"], 1, runner=runner,
+                            prompt=1024)
+    assert [c[c.index("--prompt"):c.index("--prompt") + 2] for c in cmds] == \
+        [["--prompt", "1024"]] * 2
+    seen = {}
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.update(vars(args)) or 0)
+    assert cli.main(cmds[0][3:]) == 0 and seen["prompt"] == 1024
+    assert cli.main(["bench", "--models", "opt-13b"]) == 0 and seen["prompt"] == bench.E2E_PROMPT
+    text = bench.markdown(result, "dejavu bench --isolate 1 --prompt 1024", "abc1234",
+                          "2026-12-05")
+    assert "### End to end (fp16, batch 1, 1024-token prompt, 128 new tokens, static cache)" \
+        in text
+    # 2 x 40 layers x 40 heads x 128 x 1153 positions x 2 bytes
+    assert "holds opt-13b, 1153 positions: 0.94 GB; each step's attention reads all" in text
+    # a result from before --prompt: the prompt it ran, and no cache line
+    for row in result["e2e"]:
+        for key in ("prompt", "cache_positions", "kv_cache_bytes"):
+            del row[key]
+    text = bench.markdown(result, "dejavu bench --isolate 1", "abc1234", "2026-12-05")
+    assert "(fp16, batch 1, 128-token prompt, 128 new tokens" in text
+    assert "static K/V cache" not in text
