@@ -645,11 +645,12 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     # the profiled steps follow the timed ones: PROFILED_STEPS for the GPU's kernels, then as
     # many for the host's events (profiling the host slows it, so not in the same steps)
     extra = 2 * PROFILED_STEPS if breakdown else 0
+    length = cache_positions(prompt, breakdown, new)
     for rep in range(warmup + 1):
         # the last repetition is the timed one: pinned, if asked (compiling and tuning are
         # done by then)
         with pinned(cpus if rep == warmup else None):
-            cache, mask = _prefilled(model, ids, prompt + new + extra + 1)
+            cache, mask = _prefilled(model, ids, length)
             tok = ids[:, -1:]
             pos = torch.full((1,), prompt, device="cuda")
             torch.cuda.synchronize()
@@ -681,7 +682,7 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     if host_prof is not None:
         host_prof.stop()
     with pinned(cpus):
-        pipelined = _pipelined_ms(model, forward, ids, new, prompt + new + extra + 1)
+        pipelined = _pipelined_ms(model, forward, ids, new, length)
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
@@ -1296,10 +1297,10 @@ def _checked(models: list[str]) -> dict:
     return configs
 
 
-def cache_positions(prompt: int, breakdown: bool) -> int:
+def cache_positions(prompt: int, breakdown: bool, new: int = E2E_NEW) -> int:
     """Positions of the static cache an end-to-end mode decodes into (``decode_latency``): the
-    prompt, the timed steps, the profiled ones with ``breakdown``, and one to spare."""
-    return prompt + E2E_NEW + (2 * PROFILED_STEPS if breakdown else 0) + 1
+    prompt, the ``new`` timed steps, the profiled ones with ``breakdown``, and one to spare."""
+    return prompt + new + (2 * PROFILED_STEPS if breakdown else 0) + 1
 
 
 def check_prompt(prompt: int, models: list[str], configs: dict, breakdown: bool) -> None:

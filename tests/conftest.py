@@ -98,11 +98,13 @@ def load_example(path: Path):
     return module
 
 
-def compile_outside_interpreter(code: str, *args: str, cwd: Path, timeout: int = 600) -> str:
+def compile_outside_interpreter(code: str, *args: str, cwd: Path, timeout: int = 600,
+                                unset: tuple[str, ...] = ()) -> str:
     """The output of the script ``code`` (with ``args``) run in a fresh Python without
-    ``TRITON_INTERPRET``, so that it can compile Triton kernels for a GPU target (Triton's own
-    ptxas, no GPU needed); a failure is the test's, with the script's error."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ``TRITON_INTERPRET`` (nor the variables ``unset``), so that it can compile Triton kernels
+    for a GPU target (Triton's own ptxas, no GPU needed); a failure is the test's, with the
+    script's error."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", *unset)}
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                          env=env, cwd=cwd, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +14,8 @@ from torch.autograd import DeviceType
 
 from dejavu_compile import DejavuOptions, bench, load_profile
 from dejavu_compile.profile import BUCKET_UNITS, default_buckets
+
+from .conftest import compile_outside_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -396,27 +396,25 @@ import json, sys
 from pathlib import Path
 from dejavu_compile.kernels import tuning
 assert not tuning.INTERPRET and not tuning.QUICK_TUNE
-for path in map(Path, sys.argv[1:]):
-    about, data = json.loads(path.read_text())["about"], tuning.load_shipped(path.stem)
-    assert tuning.shipped_path(about["gpu"]) == path.resolve(), (about["gpu"], path)
-    name, entries = next(iter(data.items()))
-    tuner = tuning.autotuners()[name]
-    key = tuple(entries[0]["key"])
-    other = next(c for c in tuner.configs if tuning.config_data(c) != entries[0]["config"])
-    tuner.cache[key] = other  # chosen before: kept
-    count = tuning.seed_shipped(about["gpu"])
-    assert count == sum(len(v) for v in data.values()) - 1, count
-    assert tuner.cache[key] is other
-    assert tuning.seed_shipped(about["gpu"]) == 0  # once per process
-    assert tuning.shipped()[about["gpu"]]["keys"] == count
+path = Path(sys.argv[1])
+about, data = json.loads(path.read_text())["about"], tuning.load_shipped(path.stem)
+assert tuning.shipped_path(about["gpu"]) == path.resolve(), (about["gpu"], path)
+name, entries = next(iter(data.items()))
+tuner = tuning.autotuners()[name]
+key = tuple(entries[0]["key"])
+other = next(c for c in tuner.configs if tuning.config_data(c) != entries[0]["config"])
+tuner.cache[key] = other  # chosen before: kept
+count = tuning.seed_shipped(about["gpu"])
+assert count == sum(len(v) for v in data.values()) - 1, count
+assert tuner.cache[key] is other
+assert tuning.seed_shipped(about["gpu"]) == 0  # once per process
+assert tuning.shipped()[about["gpu"]]["keys"] == count
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "DEJAVU_QUICK_TUNE")}
     for path in files:
-        out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
-                             text=True, env=env, cwd=tmp_path, timeout=300)
-        assert out.returncode == 0 and out.stdout.strip() == "ok", (path, out.stderr[-3000:])
+        out = compile_outside_interpreter(code, str(path), cwd=tmp_path, timeout=300,
+                                          unset=("DEJAVU_QUICK_TUNE",))
+        assert out.strip() == "ok", (path, out)
 
 
 def test_shipped_keys_fit_their_kernels_arguments():
