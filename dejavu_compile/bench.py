@@ -769,7 +769,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_normlate_pdl", "dejavu_captured_qkv_exit_pdl",
          "dejavu_captured_ahead_exit_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
-         "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl")
+         "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl",
+         "dejavu_captured_qkv_allattn_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -928,12 +929,16 @@ _DEJAVU_MODES = {
     "dejavu_captured_ahead_merge_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_AHEAD_IPDL,
                                                                    "merge_attention": True}),
     # OPT-13B's default step with each decode attention computing only the heads its output
-    # projection selects (option decode_selected_heads): at head density 0.5 half the KV
-    # cache is read by the split and combine kernels; in the forty-ninth session's breakdown
-    # they took 219 and 78 us a step after the kernel before, against 211 and 86 for every
-    # head (a cache of 129-256 positions)
+    # projection selects (option decode_selected_heads) at any cache length: at head density
+    # 0.5 half the KV cache is read by the split and combine kernels; in the forty-ninth
+    # session's breakdown they took 219 and 78 us a step after the kernel before, against 211
+    # and 86 for every head (a cache of 129-256 positions). By default the option is on from
+    # a cache of config.SELECTED_HEADS_MIN_POSITIONS, so at a long --prompt this is the
+    # default step; allattn is the step with it off, every head's cache read at any length
     "dejavu_captured_qkv_selattn_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                    "decode_selected_heads": True}),
+    "dejavu_captured_qkv_allattn_pdl": (True, True, BUCKET_UNITS, {
+        **_CAPTURED_QKV, "decode_selected_heads": False}),
     # and with each selected head's chunks merged by its last program in the split kernel
     # (option merge_attention): no combine launch
     "dejavu_captured_qkv_selattn_merge_pdl": (True, True, BUCKET_UNITS, {

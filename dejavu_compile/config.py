@@ -28,6 +28,13 @@ DEFAULT_OUT_LAYOUT = "auto"
 ORIGINAL_LAYOUT_MAX_DENSITY = 0.25
 DEFAULT_BATCH_SELECTION = "union"
 DEFAULT_DECODE_ATTENTION = "cuda"
+# option decode_selected_heads left None: on for a decode attention whose K/V cache holds at
+# least this many positions. Measured on an H100 (BENCHMARKS.md, fifty-third and fifty-fourth
+# sessions): the attention call alone over 20 of OPT-13B's 40 heads took 5.0 against 5.4 us at
+# 256 positions and 7.5 against 9.1 at 1024; OPT-13B's step with a cache of 2048 positions
+# 4.53 against 4.72 and 4.48 against 4.69 ms in two rounds; on an H200 at 256 positions the
+# step was no faster (3.56 against 3.52 ms, forty-ninth session)
+SELECTED_HEADS_MIN_POSITIONS = 1024
 
 
 def _check_density(name: str, value: float | None) -> None:
@@ -134,11 +141,17 @@ class DejavuOptions:
         where that projection alone reads the attention's output through views, its ids are
         computed before the attention and no batch's union selection is used; counted in
         ``decode_selected_heads`` (``decode_selected_heads_skipped[...]`` says why not). The
-        outputs do not change. Off by default: on an H200 (BENCHMARKS.md, forty-ninth
-        session) OPT-13B's step at the bench's 129-256 positions was no faster with it, 3.56
-        against 3.52 ms (bench modes ``dejavu_captured_qkv_selattn_pdl`` and
+        outputs do not change. ``None`` (the default): where the attention's K/V cache holds
+        at least ``SELECTED_HEADS_MIN_POSITIONS`` (1024) positions, a length known when the
+        graph is compiled (a static cache; a length that varies is left alone); ``True``: at
+        any length; ``False``: never. On an H200 (BENCHMARKS.md, forty-ninth session)
+        OPT-13B's step at the bench's 129-256 positions was no faster with it, 3.56 against
+        3.52 ms (bench modes ``dejavu_captured_qkv_selattn_pdl`` and
         ``dejavu_captured_qkv_selattn_merge_pdl``): the split kernel over half the cache took
-        5.6 us a layer against 5.3, bound by latency, not bytes, at that length.
+        5.6 us a layer against 5.3, bound by latency, not bytes, at that length. On an H100
+        (fifty-fourth session) with a cache of 2048 positions it was 4.4% faster in two
+        rounds (4.53 against 4.72 and 4.48 against 4.69 ms; ``dejavu_captured_qkv_allattn_pdl``
+        is the step without it).
     graph_splits: layers before which the captured decode step is cut into another CUDA graph:
         ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the rest; Inductor's graphs with
         ``cudagraphs``, else those of ``CapturedStep`` (without either, the cuts are copies that
@@ -294,7 +307,7 @@ class DejavuOptions:
     reorder_for_locality: bool = False
     workspaces: bool = True
     merge_attention: bool = False
-    decode_selected_heads: bool = False
+    decode_selected_heads: bool | None = None
     graph_splits: tuple[int, ...] = ()
     lazy_kv: bool = False
     fuse_qkv: bool = True

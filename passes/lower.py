@@ -62,7 +62,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dejavu_compile.config import ORIGINAL_LAYOUT_MAX_DENSITY
+from dejavu_compile.config import ORIGINAL_LAYOUT_MAX_DENSITY, SELECTED_HEADS_MIN_POSITIONS
 
 from .context import (
     Linear,
@@ -608,20 +608,26 @@ def _heads_reason(node: fx.Node, order: dict) -> tuple[fx.Node | None, str]:
     return idx, ""
 
 
-def selected_heads(gm: fx.GraphModule, ctx: PassContext) -> None:
+def selected_heads(gm: fx.GraphModule, ctx: PassContext, min_positions: int = 0) -> None:
     """Option ``decode_selected_heads``: each ``dejavu::decode_attention`` whose output only a
     head-gathered output projection reads (through the heads' transpose and reshape) gets that
     projection's ids, and computes the KV groups of those heads only: the cache of a KV head
     that no selected head reads is not read (paper section 3: the heads not selected are not
-    computed at all). Counted in ``decode_selected_heads``, or
+    computed at all). With ``min_positions``, only an attention whose K/V cache is known to
+    hold at least that many positions. Counted in ``decode_selected_heads``, or
     ``decode_selected_heads_skipped[why]`` for an attention with a head selection that it
-    cannot take."""
+    cannot take or that its cache is too short for."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if not is_op(node, "decode_attention") or len(node.args) > 6 \
                 or "heads" in node.kwargs:
             continue
         idx, why = _heads_reason(node, order)
+        length = fake_value(node.args[1]).shape[2]
+        if idx is not None and min_positions and not statically_known_true(
+                length >= min_positions):
+            idx, why = None, (f"a K/V cache under {min_positions} positions"
+                              if isinstance(length, int) else "a K/V cache length that varies")
         if idx is None:
             if why:
                 ctx.counters.add(f"decode_selected_heads_skipped[{why}]")
@@ -985,8 +991,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dense_gemv(gm, ctx, fused_from, cuda_only=ctx.options.dense_gemv is None)
     if ctx.options.decode_attention != "never":
         decode_attention(gm, ctx, fake_mode)
-        if ctx.options.decode_selected_heads:
-            selected_heads(gm, ctx)
+        if ctx.options.decode_selected_heads is not False:
+            selected_heads(gm, ctx, min_positions=0 if ctx.options.decode_selected_heads
+                           else SELECTED_HEADS_MIN_POSITIONS)
     if ctx.options.fuse_norm:
         fuse_norms(gm, ctx, fake_mode)
     if ctx.options.workspaces:

@@ -303,12 +303,13 @@ def test_dense_gemv_takes_the_blocks_one_row_projections(tiny, arch):
     assert sum(t.count(gemv) == 0 for _, t in captured[1:]) == 0  # every decode graph has some
 
 
-def _static_decode_logits(model, ids, steps: int = 3):
-    """``_decode_logits`` with a static cache and an all-ones mask over it (the CUDA-graph
-    decode path of ``dejavu bench``): the decode steps' SDPA gets a boolean key mask."""
+def _static_decode_logits(model, ids, steps: int = 3, length: int | None = None):
+    """``_decode_logits`` with a static cache (of ``length`` positions, by default the prompt,
+    the steps and one more) and an all-ones mask over it (the CUDA-graph decode path of
+    ``dejavu bench``): the decode steps' SDPA gets a boolean key mask."""
     from transformers import StaticCache
 
-    length = ids.shape[1] + steps + 1
+    length = length or ids.shape[1] + steps + 1
     cache = StaticCache(config=model.config, max_cache_len=length)
     mask = torch.ones(ids.shape[0], length, dtype=torch.long)
     out = model(ids, past_key_values=cache, cache_position=torch.arange(ids.shape[1]),
@@ -428,6 +429,52 @@ def test_decode_attention_computes_the_selected_heads_only(tiny, arch, selector,
         assert counters.get(f"decode_selected_heads_skipped[{why}]") == layers, counters
         assert not counters.get("decode_selected_heads")
         assert all(len(n.args) == 6 for n in calls)
+
+
+@pytest.mark.parametrize("cache", ["short", "long", "dynamic"])
+def test_decode_selected_heads_by_default_from_a_long_cache(tiny, cache):
+    """Option ``decode_selected_heads`` left None: a decode attention computes the selected
+    heads only where its static cache holds at least ``SELECTED_HEADS_MIN_POSITIONS``
+    positions, with the logits of the step that computes every head; a shorter cache, or one
+    whose length varies between steps, keeps every head and the report says which."""
+    from dejavu_compile.config import SELECTED_HEADS_MIN_POSITIONS as least
+
+    def run(selected):
+        torch._dynamo.reset()
+        counters = []
+
+        def backend(gm, example_inputs):
+            given = {} if selected is None else {"decode_selected_heads": selected}
+            out = dejavu_compile.backend.dejavu_backend(
+                gm, example_inputs, options={
+                    "selector": "fixed", "mlp_density": 0.5, "attention_density": 0.5,
+                    "decode_attention": "always", "inner": "eager", **given})
+            counters.append(dict(dejavu_compile.backend._REPORTS[-1].counters))
+            return out
+
+        model = torch.compile(tiny("opt"), backend=backend)
+        with torch.no_grad():
+            if cache == "dynamic":
+                logits = _decode_logits(model, prompt(), steps=4)
+            else:
+                logits = _static_decode_logits(model, prompt(), steps=3,
+                                               length=least - (cache == "short"))
+        return logits, counters
+
+    got, counters = run(None)
+    torch.testing.assert_close(got, run(False)[0], **FP32)
+    decodes = [c for c in counters if c.get("decode_attention")]
+    assert decodes, counters
+    layers = 2
+    if cache == "long":
+        assert decodes[-1].get("decode_selected_heads") == layers, decodes
+        return
+    assert not any(c.get("decode_selected_heads") for c in counters), counters
+    short = f"decode_selected_heads_skipped[a K/V cache under {least} positions]"
+    assert decodes[0].get(short) == layers, decodes
+    if cache == "dynamic":  # recompiled for a length that varies
+        varies = "decode_selected_heads_skipped[a K/V cache length that varies]"
+        assert decodes[-1].get(varies) == layers, decodes
 
 
 class _Attend(torch.nn.Module):
