@@ -27,6 +27,24 @@ sliding-window layer keeps a Python count, which a replay would not advance, and
 On CPU, with no tensor argument, or with a cache not filled yet (a prefill), the call goes
 straight to the forward.
 
+Caches in the output: a step's output holds the cache it was given (Hugging Face's
+``past_key_values``), and a capture's output is kept to be returned by every replay, so until
+the fifty-fourth session every cache a step was captured with stayed alive for as long as the
+step, with its lazy K/V state (``kernels/kv_state.py``): on an H100, ``dejavu bench
+--prompt 1919`` (three decode loops and a pipelined one, each on a new cache of 2048
+positions) peaked at 33.9 GiB against HF compiled's 27.3, and 25.6 against 24.4 at the
+default prompt: four caches held, each 1.68 GB of keys and values and 0.84 GB of lazy
+inputs at 2048 positions (0.21 and 0.11 GB at 257), where HF compiled's loop holds two at
+most, account for all but about 0.4 GiB of each difference, the same at both prompts
+(dejavu's predictors and the like). Not yet measured since this change. A capture's output
+now keeps no cache: each replay puts the call's own caches where the capture's output held
+one (a dict output, such as a ``ModelOutput``, in place; a tuple anew), and a call that
+replays another key's capture empties the dict outputs of the key before, so a cache the
+caller drops is freed once a call has replayed a capture made with another. The captures
+made with a freed cache are dropped at the next call (``_purge``): their graphs would read
+and write its freed memory, and a new cache at the same addresses is run as it is and
+captured anew. A cache object that takes no weak references is held as before.
+
 With ``generate``: ``dejavu_compile.compile(model, capture=True)`` installs this class as the
 model's forward (see there).
 
@@ -97,6 +115,34 @@ def _state(value: Any) -> tuple:
     return ("cache", type(value).__name__, tuple(ptrs))
 
 
+def _cache_slots(out: Any, kwargs: dict[str, Any]) -> list[tuple[Any, str]]:
+    """Where the step's output ``out`` holds a cache argument of the call (``kwargs``): (its
+    key or index in ``out``, the argument's name) for each; searched in a dict (a
+    ``ModelOutput``) and in a plain tuple (``return_dict=False``), no deeper."""
+    caches = [(name, v) for name, v in kwargs.items() if getattr(v, "layers", None) is not None
+              and type(v).__weakrefoffset__]  # a cache the step cannot see freed stays held
+    if isinstance(out, dict):
+        items = out.items()
+    elif type(out) is tuple:
+        items = enumerate(out)
+    else:
+        return []
+    return [(at, name) for at, v in items for name, c in caches if v is c]
+
+
+def _placed(out: Any, slots: list[tuple[Any, str]], kwargs: dict[str, Any] | None) -> Any:
+    """``out`` with each of ``slots`` (``_cache_slots``) holding the argument of ``kwargs``
+    that it names, or None without ``kwargs``: a dict changed in place, a tuple made anew."""
+    if type(out) is tuple:
+        items = list(out)
+        for at, name in slots:
+            items[at] = None if kwargs is None else kwargs[name]
+        return tuple(items)
+    for at, name in slots:
+        out[at] = None if kwargs is None else kwargs[name]
+    return out
+
+
 def _unfilled_layer(value: Any) -> int | None:
     """The first layer of the cache ``value`` that holds no tensors yet (None when every layer
     does, or ``value`` is no cache): such a cache gets no key, and a call with one (the prefill
@@ -143,13 +189,15 @@ _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 def _forget(step: weakref.ref, key: int, _dead: weakref.ref) -> None:
-    """A cache's memo dropped from ``step`` (if it still lives) when the cache is freed. The
-    step is reached through a weak reference: a callback that held its memo dictionary would
-    make a cycle that kept the memo, with the cache's tensors, until the garbage collector
-    ran."""
+    """A cache's memo dropped from ``step`` (if it still lives) when the cache is freed, and its
+    part of the key noted for ``CapturedStep._purge``. The step is reached through a weak
+    reference: a callback that held its memo dictionary would make a cycle that kept the memo,
+    with the cache's tensors, until the garbage collector ran."""
     live = step()
     if live is not None:
-        live._caches.pop(key, None)
+        memo = live._caches.pop(key, None)
+        if memo is not None:
+            live._gone.append(memo[5])
 
 
 class CapturedStep:
@@ -161,9 +209,12 @@ class CapturedStep:
             raise ValueError(f"CapturedStep: copies must be an int >= 1, got {copies!r}")
         self.forward = forward
         self.copies = copies
-        # key -> [the tensor arguments' copies, [(graphs in replay order, output) per capture
-        # of the step], the capture the next call replays]
+        # key -> [the tensor arguments' copies, [(graphs in replay order, output, where the
+        # output holds a cache argument) per capture of the step], the capture the next call
+        # replays]
         self._graphs: dict[tuple, list] = {}
+        self._holding = None  # the _graphs entry whose dict outputs hold its call's caches
+        self._gone: list[tuple] = []  # the key parts of caches freed since the last call
         self._seen: set[tuple] = set()
         self._pool = None  # one memory pool for every graph this step captures
         # id(cache) -> (weak reference to it, its layers, their tensors' gatherer, the tensors,
@@ -181,7 +232,7 @@ class CapturedStep:
         The memo keeps the cache's layers and tensors (to check them by identity) only while the
         cache object lives: a weak reference's callback drops it with the cache, so a cache the
         caller drops is freed; a layer's tensor replaced stays alive until the next call with
-        that cache, which works the memo out again.
+        that cache, which works the memo out again (and notes the old part for ``_purge``).
         The check runs on every replayed step, before the launch, so it is kept to loops in C
         (``map``; the addresses compared by PyTorch's own check where it has one): on the
         H200's host the key took 0.18 ms a step with the check written as a Python loop, 0.13
@@ -198,6 +249,8 @@ class CapturedStep:
             if tensors is not None and len(tensors) == len(kept) \
                     and all(map(operator.is_, tensors, kept)) and _same_addresses(tensors, ptrs):
                 return part
+        if memo is not None:  # tensors replaced or moved: their captures go (``_purge``)
+            self._gone.append(memo[5])
         if _unfilled_layer(value) is not None:
             return None
         state = _state(value)  # ("cache", type name, ((layer index, name, address), ...))
@@ -253,6 +306,8 @@ class CapturedStep:
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         if not tensors or any(t.device.type != "cuda" for t in tensors.values()):
             return self.forward(**kwargs)
+        if self._gone:
+            self._purge()
         key = self.key(kwargs)
         if key is None:  # the prefill that fills the cache, generate()'s first call
             return self.forward(**kwargs)
@@ -266,16 +321,50 @@ class CapturedStep:
                       for name, t in tensors.items()}
             captures = [self._capture(kwargs, inputs) for _ in range(self.copies)]
             entry = self._graphs[key] = [inputs, captures, 0]
-        graphs, out = self._load(entry, tensors)
+        graphs, out, slots = self._load(entry, tensors)
         for graph in graphs:
             graph.replay()
-        return out
+        return self._hand_out(entry, out, slots, kwargs) if slots else out
+
+    def _purge(self) -> None:
+        """Drop the captures (and the note that their key compiled nothing) made with a cache
+        that has been freed since, unless a live cache object has the same addresses: such a
+        capture's graphs read and write the freed cache's memory and its lazy K/V state, freed
+        with it (``kernels/kv_state.py``), and a new cache that the allocator puts at the same
+        addresses has the same key, so it must be run as it is first (that makes its state)
+        and captured anew."""
+        live = {memo[5] for memo in self._caches.values()}
+        gone = {part for part in self._gone if part not in live}
+        self._gone.clear()
+        if not gone:
+            return
+
+        def stale(key: tuple) -> bool:
+            return any(part[1:] in gone for part in key)
+
+        for key in [k for k in self._graphs if stale(k)]:
+            if self._graphs.pop(key) is self._holding:
+                self._holding = None
+        self._seen = {k for k in self._seen if not stale(k)}
+
+    def _hand_out(self, entry: list, out: Any, slots: list[tuple[Any, str]],
+                  kwargs: dict[str, Any]) -> Any:
+        """The output ``out`` of a capture of ``entry``, holding the call's caches in its
+        ``slots``; first the dict outputs of the entry that held caches before, if another,
+        let theirs go (see the module docstring)."""
+        held = self._holding
+        if held is not entry:
+            if held is not None:
+                for _, before, where in held[1]:
+                    _placed(before, where, None)
+            self._holding = entry
+        return _placed(out, slots, kwargs)
 
     @staticmethod
-    def _load(entry: list, tensors: dict[str, torch.Tensor]) -> tuple[list, Any]:
+    def _load(entry: list, tensors: dict[str, torch.Tensor]) -> tuple[list, Any, list]:
         """The capture of ``entry`` (a key's ``_graphs`` entry) that this call replays, its
-        graphs and output (the next call takes the next capture), with the call's ``tensors``
-        copied into the capture's inputs (one launch)."""
+        graphs, output and the output's cache slots (the next call takes the next capture),
+        with the call's ``tensors`` copied into the capture's inputs (one launch)."""
         inputs, captures, turn = entry
         entry[2] = (turn + 1) % len(captures)
         torch._foreach_copy_([inputs[name] for name in tensors], list(tensors.values()))
@@ -325,4 +414,5 @@ class CapturedStep:
                 f"stream crosses a graph_splits cut?): {e}") from e
         torch.cuda.current_stream().wait_stream(stream)
         self._pool = graphs[-1].pool()
-        return graphs, out
+        slots = _cache_slots(out, kwargs)  # kept without the caches: _hand_out
+        return graphs, _placed(out, slots, None), slots

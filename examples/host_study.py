@@ -122,12 +122,14 @@ def steps(net, forward, ids: torch.Tensor, count: int, timed_from: int,
 
 
 def parts(forward, kwargs: dict) -> dict | None:
-    """A ``CapturedStep``'s call done here in its three parts, each timed (ms): its ``key``,
-    the copy of the tensor arguments into the capture's and the graphs' replay (``out``: the
-    call's output). None for any other forward, or a call that would not replay (it runs as it
-    is)."""
+    """A ``CapturedStep``'s call done here in its four parts, each timed (ms): its ``key``,
+    the copy of the tensor arguments into the capture's, the graphs' replay and the hand-out
+    of the output with the call's cache in it (``out``: the call's output). None for any other
+    forward, or a call that would not replay (it runs as it is)."""
     if not isinstance(forward, CapturedStep):
         return None
+    if forward._gone:  # the call's own first step: captures of freed caches go
+        forward._purge()
     start = time.perf_counter()
     key = forward.key(kwargs)
     keyed = time.perf_counter()
@@ -135,13 +137,16 @@ def parts(forward, kwargs: dict) -> dict | None:
     if entry is None:
         return None
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    graphs, out = forward._load(entry, tensors)  # the call's input copy (CapturedStep.__call__)
+    graphs, out, slots = forward._load(entry, tensors)  # the call's input copy
     copied = time.perf_counter()
     for graph in graphs:
         graph.replay()
     replayed = time.perf_counter()
+    out = forward._hand_out(entry, out, slots, kwargs) if slots else out
+    handed = time.perf_counter()
     return {"key": 1e3 * (keyed - start), "copy": 1e3 * (copied - keyed),
-            "replay": 1e3 * (replayed - copied), "out": out}
+            "replay": 1e3 * (replayed - copied), "hand_out": 1e3 * (handed - replayed),
+            "out": out}
 
 
 def sync(t: torch.Tensor) -> None:
@@ -150,7 +155,8 @@ def sync(t: torch.Tensor) -> None:
 
 
 def line(name: str, medians: dict[str, float]) -> str:
-    split = ", ".join(f"{k} {medians[k]:.3f}" for k in ("key", "copy", "replay") if k in medians)
+    split = ", ".join(f"{k} {medians[k]:.3f}" for k in ("key", "copy", "replay", "hand_out")
+                      if k in medians)
     return (f"{name}: median ms per step: call {medians['call']:.3f}"
             + (f" (other steps, in parts: {split})" if split else "")
             + f", whole step {medians['step']:.3f}")

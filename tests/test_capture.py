@@ -129,6 +129,103 @@ def test_the_cache_memo_is_freed_with_its_cache_or_its_step(tiny):
     assert step.key(_step_args(ids, other)) != key
 
 
+def test_a_captured_output_keeps_no_cache(tiny):
+    """A capture's output is kept without the call's cache (``_cache_slots``, ``_placed``):
+    a ``ModelOutput`` holds None there until a replay puts the call's cache back in place, a
+    tuple output is made anew; a cache that takes no weak references is left in (the step
+    could not see it freed)."""
+    from dejavu_compile import capture
+
+    model = tiny("llama")
+    ids, cache = _prefilled(model)
+    args = _step_args(ids, cache)
+    with torch.no_grad():
+        out = model(**args)
+        plain = model(**args, return_dict=False)
+    slots = capture._cache_slots(out, args)
+    assert slots == [("past_key_values", "past_key_values")]
+    kept = capture._placed(out, slots, None)
+    assert kept is out and out.past_key_values is None and "logits" in out
+    assert capture._placed(out, slots, args) is out and out.past_key_values is cache
+    tuple_slots = capture._cache_slots(plain, args)
+    assert tuple_slots == [(1, "past_key_values")]
+    emptied = capture._placed(plain, tuple_slots, None)
+    assert emptied[1] is None and emptied[0] is plain[0]
+    assert capture._placed(emptied, tuple_slots, args)[1] is cache
+
+    class Pinned:
+        __slots__ = ("layers",)
+
+    pinned = Pinned()
+    pinned.layers = cache.layers
+    assert capture._cache_slots({"past_key_values": pinned}, {"past_key_values": pinned}) == []
+
+
+def _fake_entry(out, slots) -> list:
+    """A ``_graphs`` entry with one capture of no graphs (what ``__call__`` keeps)."""
+    return [{}, [([], out, slots)], 0]
+
+
+def test_a_replay_lets_the_cache_of_the_capture_before_go(tiny):
+    """``_hand_out``: a replay's output holds the call's cache; a replay of another key's
+    capture empties the outputs of the key before, so the cache its caller dropped is freed
+    (no GPU here: the entries are made by hand, as ``_capture`` would keep them)."""
+    import gc
+    import weakref
+
+    from dejavu_compile import capture
+
+    model = tiny("llama")
+    step = CapturedStep(model.forward)
+    entries, alive = [], []
+    for _ in range(2):
+        ids, cache = _prefilled(model)
+        args = _step_args(ids, cache)
+        with torch.no_grad():
+            out = model(**args)
+        slots = capture._cache_slots(out, args)
+        capture._placed(out, slots, None)
+        entries.append(_fake_entry(out, slots))
+        got = step._hand_out(entries[-1], out, slots, args)
+        assert got.past_key_values is cache and step._holding is entries[-1]
+        alive.append(weakref.ref(cache))
+        del cache, args
+    gc.collect()
+    assert alive[0]() is None and alive[1]() is not None
+    assert entries[0][1][0][1].past_key_values is None
+
+
+def test_the_captures_of_a_freed_cache_are_dropped(tiny):
+    """A cache freed (or whose tensors were replaced) has its part of the key noted, and the
+    next call drops the captures and the warm-up note of every key with that part
+    (``_purge``), unless a live cache object has the same addresses; other keys stay."""
+    model = tiny("llama")
+    step = CapturedStep(model.forward)
+    ids, cache = _prefilled(model)
+    _, other = _prefilled(model)
+    key, kept = step.key(_step_args(ids, cache)), step.key(_step_args(ids, other))
+    twin = type(cache).__new__(type(cache))
+    twin.__dict__.update(vars(cache))  # another object, the same layers: the same part
+    assert step.key(_step_args(ids, twin)) == key
+    for k in (key, kept):
+        step._graphs[k] = _fake_entry(None, [])
+        step._seen.add(k)
+    step._holding = step._graphs[key]
+    del twin  # its part lives on in cache
+    step._purge()
+    assert set(step._graphs) == {key, kept} and step._seen == {key, kept}
+    del cache
+    assert step._gone == [dict((p[0], p[1:]) for p in key)["past_key_values"]]
+    step._purge()
+    assert set(step._graphs) == {kept} and step._seen == {kept}
+    assert step._holding is None and step._gone == []
+    layer = other.layers[0]
+    layer.keys = layer.keys.clone()  # replaced: the old addresses' captures go too
+    assert step.key(_step_args(ids, other)) != kept
+    step._purge()
+    assert not step._graphs and not step._seen
+
+
 @pytest.mark.parametrize("check", ["python", "pytorch"])
 def test_the_cache_check_sees_a_tensor_moved_in_place(tiny, monkeypatch, check):
     """The per-step check of a cache (``_cache_state``) with either address comparison,

@@ -355,8 +355,9 @@ def test_host_study_times_a_captured_dejavu_step_on_the_cpu(tmp_path):
 
 def test_host_study_times_a_replay_in_its_parts():
     """``host_study.parts`` does a ``CapturedStep``'s replay as its call does (the arguments
-    copied into the capture's, every graph replayed in order, the capture's output returned),
-    timing each part; a call with nothing captured is left to the step itself."""
+    copied into the capture's, every graph replayed in order, the capture's output returned
+    with the call's cache put back where the capture's held one), timing each part; a call
+    with nothing captured is left to the step itself."""
     study = load_example(Path(__file__).parents[1] / "examples" / "host_study.py")
     from dejavu_compile import CapturedStep
 
@@ -369,17 +370,28 @@ def test_host_study_times_a_replay_in_its_parts():
         def replay(self):
             replayed.append(self.name)
 
+    class Layer:
+        def __init__(self):
+            self.cumulative_length = torch.zeros(1)
+
+    class Cache:  # what the key takes for a cache: layers that keep their counts in tensors
+        def __init__(self):
+            self.layers = [Layer()]
+
     step = CapturedStep(lambda **kw: None)
-    kwargs = {"x": torch.randn(3), "flag": True}
+    cache = Cache()
+    kwargs = {"x": torch.randn(3), "flag": True, "cache": cache}
     assert study.parts(step, kwargs) is None  # not captured: the call runs as it is
     assert study.parts(lambda **kw: None, kwargs) is None  # not a CapturedStep
     inputs = {"x": torch.full((3,), float("nan"))}
-    out = object()
-    step._graphs[step.key(kwargs)] = [inputs, [([Graph("a"), Graph("b")], out)], 0]
+    out = {"logits": torch.zeros(1), "cache": None}
+    step._graphs[step.key(kwargs)] = [inputs, [([Graph("a"), Graph("b")], out,
+                                                 [("cache", "cache")])], 0]
     split = study.parts(step, kwargs)
-    assert split.pop("out") is out and replayed == ["a", "b"]
+    assert split.pop("out") is out and out["cache"] is cache and replayed == ["a", "b"]
     assert torch.equal(inputs["x"], kwargs["x"])
-    assert set(split) == {"key", "copy", "replay"} and all(v >= 0 for v in split.values())
+    assert set(split) == {"key", "copy", "replay", "hand_out"}
+    assert all(v >= 0 for v in split.values())
 
 
 def test_decode_attention_bench_checks_its_selection_before_it_needs_a_gpu(capsys):

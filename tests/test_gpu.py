@@ -211,7 +211,8 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits, copies
     """``CapturedStep`` (dejavu's own CUDA graph around the whole compiled call) gives the
     logits of the compiled step it wraps, step after step (the tokens and positions copied in,
     the static cache written in place), and captures once per cache: two prefilled caches, two
-    captures, each replayed for its own steps. With fixed indices, with lookahead predictors
+    captures, each replayed for its own steps (the first dropped with its cache, once the
+    second's replays let that go). With fixed indices, with lookahead predictors
     whose side stream forks and joins inside the capture, and with ``graph_splits``: each
     capture cut into three graphs at the ``dejavu::graph_split`` ops, replayed in turn; and with
     two captures per cache replayed in turn (``copies=2``). Deterministic mode: the same
@@ -233,8 +234,8 @@ def test_captured_step_matches_the_compiled_step(tmp_path, ahead, splits, copies
         step = dejavu_compile.CapturedStep(fwd, copies=copies)
         first = _teacher_forced_logits(model, step, tokens, 24)
         second = _teacher_forced_logits(model, step, tokens, 24)  # a new cache
-    assert step.captured == 2
-    assert step.segments == [len(splits) + 1] * 2
+    assert step.captured == 1  # the first cache's capture went with it (CapturedStep._purge)
+    assert step.segments == [len(splits) + 1]
     counters = dejavu_compile.report(model).counters
     if ahead:
         assert counters.get("lookahead[mlp]", 0) > 0
@@ -469,6 +470,47 @@ def test_selected_heads_attention_matches_every_head(merge):
     assert counters.get("decode_selected_heads", 0) >= 5, counters
     want = runs[False]
     torch.testing.assert_close(runs[True], want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+def test_a_captured_step_lets_a_dropped_cache_go():
+    """``CapturedStep`` keeps no cache of its own (module docstring, "Caches in the output"):
+    each replay hands out the call's cache as ``past_key_values``; a cache its caller dropped
+    is freed, with its lazy K/V state, once the step has replayed another cache's capture, and
+    the captures made with it go at the next call. A third cache, which the allocator may put
+    at the first one's addresses (the same key), is run as it is and captured anew: its logits
+    are those of the step without capture, where a replay of the first cache's graphs would
+    read and write its freed lazy state."""
+    import gc
+
+    from dejavu_compile.kernels import kv_state
+
+    from dejavu_compile.bench import _prefilled
+
+    model = _small_opt(6)
+    tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(9))
+    fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                        options={"selector": "fixed", "mlp_density": 0.25,
+                                 "attention_density": 0.5, "lazy_kv": True,
+                                 "cudagraphs": False})
+    _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+    want = _teacher_forced_logits(model, fwd, tokens, 24)
+    step = dejavu_compile.CapturedStep(fwd)
+    gc.collect()
+    before = kv_state.live_states()
+    runs = [_teacher_forced_logits(model, step, tokens, 24) for _ in range(3)]
+    gc.collect()
+    assert step.captured == 1
+    assert kv_state.live_states() == before + 1  # the last cache's, still in its output
+    scale = want.abs().max().item()
+    for got in runs:
+        torch.testing.assert_close(got, want, atol=2e-2 * scale, rtol=2e-2)
+    cache, mask = _prefilled(model, tokens[:, :32], tokens.shape[1] + 1)
+    pos = torch.tensor([32], device="cuda")
+    for _ in range(3):  # run, capture, replay
+        out = step(input_ids=tokens[:, 31:32], past_key_values=cache, cache_position=pos,
+                   position_ids=pos[None], attention_mask=mask, use_cache=True)
+        assert out.past_key_values is cache
 
 
 def test_programmatic_launch_in_the_captured_lazy_step():
