@@ -149,7 +149,7 @@ class DejavuOptions:
         3.52 ms (bench modes ``dejavu_captured_qkv_selattn_pdl`` and
         ``dejavu_captured_qkv_selattn_merge_pdl``): the split kernel over half the cache took
         5.6 us a layer against 5.3, bound by latency, not bytes, at that length. On an H100
-        (fifty-fourth session) with a cache of 2048 positions it was 4.4% faster in two
+        (fifty-fourth session) with a cache of 2048 positions it was 4.0% and 4.5% faster in two
         rounds (4.53 against 4.72 and 4.48 against 4.69 ms; ``dejavu_captured_qkv_allattn_pdl``
         is the step without it).
     graph_splits: layers before which the captured decode step is cut into another CUDA graph:
