@@ -1327,11 +1327,11 @@ def check_prompt(prompt: int, models: list[str], configs: dict, breakdown: bool)
 
 def kv_cache_bytes(cfg, positions: int, dtype_bytes: int = 2) -> int:
     """Bytes of a static K/V cache of ``positions`` for ``cfg``'s shape: keys and values of
-    every layer and KV head."""
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * positions * dtype_bytes
+    every layer and KV head (the byte account's ``kv_bytes_per_token``, every layer)."""
+    from .plan import ModelBytes
+
+    shape = ModelBytes.from_config(cfg, cfg.model_type, dtype_bytes)
+    return shape.kv_bytes_per_token * shape.num_layers * positions
 
 
 def check_densities(densities) -> None:

@@ -623,11 +623,12 @@ def selected_heads(gm: fx.GraphModule, ctx: PassContext, min_positions: int = 0)
                 or "heads" in node.kwargs:
             continue
         idx, why = _heads_reason(node, order)
-        length = fake_value(node.args[1]).shape[2]
-        if idx is not None and min_positions and not statically_known_true(
-                length >= min_positions):
-            idx, why = None, (f"a K/V cache under {min_positions} positions"
-                              if isinstance(length, int) else "a K/V cache length that varies")
+        if idx is not None and min_positions:
+            length = fake_value(node.args[1]).shape[2]  # k: [B, KVH, L, D]
+            if not statically_known_true(length >= min_positions):
+                idx, why = None, (f"a K/V cache under {min_positions} positions"
+                                  if isinstance(length, int)
+                                  else "a K/V cache length that varies")
         if idx is None:
             if why:
                 ctx.counters.add(f"decode_selected_heads_skipped[{why}]")
