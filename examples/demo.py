@@ -50,7 +50,8 @@ def main() -> None:
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=args.tokens, min_new_tokens=args.tokens)
             text = loaded.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            print(f"{name:>6}: {PROMPT}{text!r}")
+            # The prompt, then the continuation quoted as a Python string (its newlines shown).
+            print(f"{name:>6}: {PROMPT!r} + {text!r}")
 
     held = loaded.encode(documentation_text("held_out"), DEFAULT_WINDOW * args.windows)
     result = evaluate_profile(loaded.model, windows(held, DEFAULT_WINDOW, args.windows), profile)
