@@ -25,6 +25,23 @@ def _commit() -> str:
         return "unknown"
 
 
+def _own_error(exc: Exception) -> Exception | None:
+    """The error to report in one line: one that dejavu's own code raised on what it was given
+    (a profile, a model, a file, an option, the machine), taken out of the
+    ``BackendCompilerFailed`` that Dynamo wraps a backend's errors in. None for anything else,
+    whose traceback a bug report needs."""
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(inner, Exception):
+        exc = inner
+    tb = exc.__traceback__
+    if not isinstance(exc, (ValueError, TypeError, RuntimeError, OSError)) or tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    return exc if module.split(".")[0] == "dejavu_compile" else None
+
+
 def _bench(args) -> int:
     from . import bench
 
@@ -105,8 +122,8 @@ def _eval(args) -> int:
     from .models import load_model
     from .profile import load_profile
 
+    profile = load_profile(args.profile)  # a malformed profile stops before the model loads
     loaded = load_model(args.model)
-    profile = load_profile(args.profile)
     ids = _text_ids(loaded, args.text, "held_out", DEFAULT_WINDOW * args.windows)
     result = evaluate_profile(loaded.model, windows(ids, DEFAULT_WINDOW, args.windows), profile,
                               progress=True)
@@ -130,9 +147,11 @@ def _eval(args) -> int:
 def _export(args) -> int:
     from .inspection import export
     from .models import load_model
+    from .profile import load_profile
 
+    profile = load_profile(args.profile) if args.profile else None  # before the model loads
     loaded = load_model(args.model)
-    options = {"profile": args.profile} if args.profile else {
+    options = {"profile": profile} if profile is not None else {
         "selector": "oracle", "mlp_density": args.mlp_density,
         "attention_density": args.attention_density}
     if args.lookahead is not None:
@@ -175,13 +194,15 @@ def _plan(args) -> int:
 def _retrieval(args) -> int:
     from . import retrieval
     from .models import load_model
+    from .profile import load_profile
 
+    profile = load_profile(args.profile) if args.profile else None  # before the model loads
     loaded = load_model(args.model)
     decode = None
-    if args.profile:
+    if profile is not None:
         from .backend import compile as dejavu_compile
 
-        decode = dejavu_compile(loaded.model, profile=args.profile)
+        decode = dejavu_compile(loaded.model, profile=profile)
     rows = retrieval.run(loaded, args.context, args.kv_keep, policies=args.policies,
                          decode=decode, progress=True)
     if args.json:
@@ -316,7 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_bench)
 
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except Exception as exc:
+        error = _own_error(exc)
+        if error is None or os.environ.get("DEJAVU_TRACEBACK") == "1":
+            raise
+        print(f"dejavu {args.command}: error: {error}\n(DEJAVU_TRACEBACK=1 shows where it was "
+              "raised)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

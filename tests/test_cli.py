@@ -1,0 +1,66 @@
+"""The command line's errors: what dejavu's own checks refuse (a profile, a model, an option,
+the machine) is one line and exit status 2, read before the model loads where it can be;
+anything else keeps its traceback."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dejavu_compile import cli, models
+from dejavu_compile.profile import ProfileError
+
+SHIPPED = Path(__file__).parents[1] / "profiles" / "smollm2-135m.yaml"
+
+
+def _no_model(name, *args, **kwargs):
+    raise AssertionError("the model was loaded before the profile was read")
+
+
+@pytest.mark.parametrize("command", ["eval", "export", "retrieval"])
+def test_a_malformed_profile_stops_before_the_model_loads(command, tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nlayers: [1, 2\n")
+    monkeypatch.setattr(models, "load_model", _no_model)
+    out = ["--out", str(tmp_path / "graphs")] if command == "export" else []
+    assert cli.main([command, "m", "--profile", str(bad), *out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dejavu {command}: error: profile {bad}: not valid YAML")
+    assert "Traceback" not in err
+    assert cli.main([command, "m", "--profile", str(tmp_path / "none.yaml"), *out]) == 2
+    assert "error: profile not found: " in capsys.readouterr().err
+
+
+def test_a_profile_for_another_model_is_one_line(tiny, tmp_path, monkeypatch, capsys):
+    """The fit is checked in the sparsify pass, inside torch.compile, which wraps what the
+    backend raises in its own error: the command reports the profile's."""
+    model = tiny("llama")
+    monkeypatch.setattr(models, "load_model", lambda name: models.LoadedModel(name, model, None))
+    args = ["export", "m", "--profile", str(SHIPPED), "--out", str(tmp_path), "--no-onnx"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dejavu export: error: profile for 'smollm2-135m' does not fit")
+    assert "Traceback" not in err and "BackendCompilerFailed" not in err
+    monkeypatch.setenv("DEJAVU_TRACEBACK", "1")
+    with pytest.raises(Exception) as info:
+        cli.main(args)
+    assert isinstance(getattr(info.value, "inner_exception", info.value), ProfileError)
+
+
+def test_bad_options_and_a_missing_gpu_are_one_line(monkeypatch, capsys):
+    assert cli.main(["plan", "llama-3.1-8b", "--context", "2048", "--kv-keep", "0"]) == 2
+    assert capsys.readouterr().err.startswith("dejavu plan: error: kv_keep must be in (0, 1]")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--no-e2e"]) == 2
+    assert capsys.readouterr().err.startswith("dejavu bench: error: dejavu bench needs a CUDA GPU")
+
+
+def test_an_error_raised_outside_dejavu_keeps_its_traceback(monkeypatch):
+    from dejavu_compile import plan
+
+    def table(*args, **kwargs):
+        raise ValueError("raised by a test, standing for a bug")
+
+    monkeypatch.setattr(plan, "table", table)
+    with pytest.raises(ValueError, match="standing for a bug"):
+        cli.main(["plan", "llama-3.1-8b", "--context", "2048"])
