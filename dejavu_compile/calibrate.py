@@ -652,6 +652,14 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     unknown = set(selectors) - set(CALIBRATION_SELECTORS)
     if unknown or not selectors:
         raise ValueError(f"selectors must be among {CALIBRATION_SELECTORS}, got {selectors}")
+    # checked before the activations are recorded and the predictors trained (minutes)
+    if target_density is not None and not 0 < target_density <= 1:
+        raise ValueError(f"target_density is MLP bytes read per token as a fraction of dense, "
+                         f"in (0, 1], got {target_density!r}")
+    for what, value, least in (("rank", rank, 1), ("epochs", epochs, 1),
+                               ("bucket_units", bucket_units, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{what} must be an int >= {least}, got {value!r}")
     # one sequence per forward pass: no longer than the model's context
     context = getattr(model.config, "max_position_embeddings", None) or SENSITIVITY_TOKENS
     validation = None

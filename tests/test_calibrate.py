@@ -397,5 +397,24 @@ def test_perplexity_budget_is_checked():
         cal.calibrate(_Configured(), ids, "m", "p.yaml", max_ppl_increase=0.03)
 
 
+def test_bad_settings_are_refused_before_anything_is_recorded(monkeypatch):
+    """A byte target outside (0, 1] (1.5 used to fail only after training, in the uniform
+    spread), a rank or an epoch count below 1: refused before the activations are recorded
+    (minutes on a real model)."""
+
+    def record(*args, **kwargs):
+        raise AssertionError("recorded before the settings were checked")
+
+    monkeypatch.setattr(cal, "record", record)
+    ids = torch.ones(1, 600, dtype=torch.long)
+    for bad, match in (({"target_density": 0.0}, "target_density .* in \\(0, 1\\], got 0.0"),
+                       ({"target_density": 1.5}, "got 1.5"),
+                       ({"rank": 0}, "rank must be an int >= 1, got 0"),
+                       ({"epochs": 2.5}, "epochs must be an int >= 1"),
+                       ({"bucket_units": -1}, "bucket_units must be an int >= 0")):
+        with pytest.raises(ValueError, match=match):
+            cal.calibrate(_Configured(), ids, "m", "p.yaml", **bad)
+
+
 class _Configured:
     config = type("Config", (), {"max_position_embeddings": 2048})()
