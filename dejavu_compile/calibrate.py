@@ -653,6 +653,8 @@ def calibrate(model, ids: torch.Tensor, name: str, out: str | Path, *,
     if unknown or not selectors:
         raise ValueError(f"selectors must be among {CALIBRATION_SELECTORS}, got {selectors}")
     # checked before the activations are recorded and the predictors trained (minutes)
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise ValueError(f"ids must be token ids [1, T] with T >= 2, got shape {tuple(ids.shape)}")
     if target_density is not None and not 0 < target_density <= 1:
         raise ValueError(f"target_density is MLP bytes read per token as a fraction of dense, "
                          f"in (0, 1], got {target_density!r}")

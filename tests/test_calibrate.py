@@ -414,6 +414,10 @@ def test_bad_settings_are_refused_before_anything_is_recorded(monkeypatch):
                        ({"bucket_units": -1}, "bucket_units must be an int >= 0")):
         with pytest.raises(ValueError, match=match):
             cal.calibrate(_Configured(), ids, "m", "p.yaml", **bad)
+    for shape in ((1, 1), (2, 300), (600,)):  # one token failed inside torch.cat, none in Dynamo
+        with pytest.raises(ValueError, match="ids must be token ids") as info:
+            cal.calibrate(_Configured(), torch.ones(shape, dtype=torch.long), "m", "p.yaml")
+        assert str(info.value).endswith(f"got shape {shape}")
 
 
 class _Configured:
