@@ -34,8 +34,13 @@ class DecodeScore:
 
 
 def windows(ids: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
-    """Up to ``count`` consecutive, non-overlapping windows ``[1, length]`` of ``ids`` [1, N]."""
+    """Up to ``count`` consecutive, non-overlapping windows ``[1, length]`` of ``ids`` [1, N]
+    (at least one: ``count`` >= 1 and N >= ``length``)."""
+    if count < 1:
+        raise ValueError(f"the number of windows must be >= 1, got {count}")
     n = ids.shape[1] // length
+    if n < 1:
+        raise ValueError(f"{ids.shape[1]} tokens of text are fewer than one window of {length}")
     return [ids[:, i * length : (i + 1) * length] for i in range(min(n, count))]
 
 

@@ -39,6 +39,12 @@ class ModelBytes:
     tied: bool
     dtype_bytes: int = 2
 
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype_bytes, bool) or not isinstance(self.dtype_bytes, int) or \
+                self.dtype_bytes < 1:
+            raise ValueError(f"dtype_bytes must be an int >= 1 (2 for fp16), got "
+                             f"{self.dtype_bytes!r}")
+
     @classmethod
     def from_config(cls, config, name: str, dtype_bytes: int = 2) -> ModelBytes:
         from .profile import ModelIdentity
@@ -128,6 +134,8 @@ class Account:
         """Bytes read by one decode step at ``context`` tokens in ``mode`` (see ``MODES``)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if context < 0:
+            raise ValueError(f"context must be >= 0 tokens, got {context}")
         m, layers = self.model, self.model.num_layers
         dense_proj = (m.attention_bytes + m.mlp_bytes) * layers
         proj, predictors, kv = dense_proj, 0.0, float(m.kv_bytes_per_token * context * layers)

@@ -32,7 +32,10 @@ def _haystack(loaded, tokens: int, needles: list[tuple[float, str]], head: str, 
     """``head`` + filler of about ``tokens`` tokens with each needle at its depth + ``tail``."""
     unit = len(loaded.encode(FILLER)[0]) - (1 if loaded.bos else 0)
     fixed = len(loaded.encode(head + tail + " ".join(n for _, n in needles))[0])
-    units = max(1, (tokens - fixed) // unit)
+    if tokens < fixed + unit:
+        raise ValueError(f"a context of {tokens} tokens is shorter than the trial's text and one "
+                         f"line of filler ({fixed + unit} tokens)")
+    units = (tokens - fixed) // unit
     slots = {}
     for depth, needle in needles:
         slots.setdefault(round(depth * units), []).append(needle)

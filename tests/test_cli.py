@@ -64,3 +64,36 @@ def test_an_error_raised_outside_dejavu_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(plan, "table", table)
     with pytest.raises(ValueError, match="standing for a bug"):
         cli.main(["plan", "llama-3.1-8b", "--context", "2048"])
+
+
+def test_evaluation_text_gives_at_least_one_window():
+    """``dejavu eval --windows 0`` failed inside torch.stack."""
+    from dejavu_compile.evaluate import windows
+
+    ids = torch.arange(300)[None]
+    assert [w.shape[1] for w in windows(ids, 128, 4)] == [128, 128]
+    with pytest.raises(ValueError, match="number of windows must be >= 1, got 0"):
+        windows(ids, 128, 0)
+    with pytest.raises(ValueError, match="100 tokens of text are fewer than one window of 128"):
+        windows(ids[:, :100], 128, 4)
+
+
+class _Words:
+    """Stands for a loaded model in the retrieval trials' text: a token a word."""
+
+    bos = False
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.zeros(1, len(text.split()), dtype=torch.long)
+
+
+def test_a_retrieval_context_shorter_than_its_text_is_refused():
+    """``dejavu retrieval --context 0`` ran trials of about 70 tokens reported as context 0."""
+    from dejavu_compile import retrieval
+
+    trial = retrieval.passkey(_Words(), 200, 0.5)
+    assert 150 < trial.ids.shape[1] <= 200
+    with pytest.raises(ValueError, match="a context of 0 tokens is shorter than the trial's"):
+        retrieval.passkey(_Words(), 0, 0.5)
+    with pytest.raises(ValueError, match="a context of 40 tokens"):
+        retrieval.multikey(_Words(), 40, 0.5)

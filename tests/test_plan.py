@@ -66,6 +66,16 @@ def test_bad_keep_is_refused():
         Account(_model("qwen3-8b"), 0.5, 0.0)
 
 
+def test_bad_sizes_are_refused():
+    """A weight of 0 bytes divided by zero in the table; a negative context gave a row."""
+    with pytest.raises(ValueError, match="dtype_bytes must be an int >= 1 .*, got 0"):
+        ModelBytes.from_config(shape_configs()["opt-13b"], "opt-13b", 0)
+    account = Account(_model("qwen3-8b"), 0.5, 0.3)
+    assert account.step(0, "kv").kv == 0
+    with pytest.raises(ValueError, match="context must be >= 0 tokens, got -5"):
+        account.step(-5, "dense")
+
+
 def test_plan_command_prints_the_account(capsys):
     from dejavu_compile.cli import main
 
