@@ -170,8 +170,11 @@ def _plan(args) -> int:
     if args.model in shapes:
         config = shapes[args.model]
     else:
-        from .models import load_model
+        from .models import BUILTIN_MODELS, load_model
 
+        if args.model not in BUILTIN_MODELS and not os.path.exists(args.model):
+            raise ValueError(f"model {args.model!r} is neither a shape name {tuple(shapes)}, "
+                             f"a built-in model {BUILTIN_MODELS} nor an existing path")
         config = load_model(args.model).model.config
     model = plan.ModelBytes.from_config(config, args.model, args.dtype_bytes)
     costs, bandwidth = {}, None

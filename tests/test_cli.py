@@ -50,6 +50,9 @@ def test_a_profile_for_another_model_is_one_line(tiny, tmp_path, monkeypatch, ca
 def test_bad_options_and_a_missing_gpu_are_one_line(monkeypatch, capsys):
     assert cli.main(["plan", "llama-3.1-8b", "--context", "2048", "--kv-keep", "0"]) == 2
     assert capsys.readouterr().err.startswith("dejavu plan: error: kv_keep must be in (0, 1]")
+    assert cli.main(["plan", "llama-3-8", "--context", "2048"]) == 2  # plan takes shape names
+    assert capsys.readouterr().err.startswith(
+        "dejavu plan: error: model 'llama-3-8' is neither a shape name ('opt-13b', ")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["bench", "--no-e2e"]) == 2
     assert capsys.readouterr().err.startswith("dejavu bench: error: dejavu bench needs a CUDA GPU")
