@@ -3,6 +3,7 @@ rewritten graph to the inner compiler (Inductor by default)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -229,6 +230,10 @@ def compile(model: torch.nn.Module, *, capture: bool = False,  # noqa: A001
     filled yet) and calls on CPU run the compiled forward as it is. Leave ``cudagraphs`` off.
     """
     opts = DejavuOptions.from_mapping(options)
+    if opts.profile is not None and not isinstance(opts.profile, Profile):
+        # read now: a missing or malformed profile is an error here, not at the first call
+        # (where Dynamo would wrap it in BackendCompilerFailed)
+        opts = dataclasses.replace(opts, profile=load_profile(opts.profile))
     if capture and opts.cudagraphs:
         raise ValueError("compile(capture=True) records its own CUDA graphs (CapturedStep); "
                          "leave the option 'cudagraphs' off")

@@ -186,6 +186,23 @@ def test_not_yaml_profile_is_refused(tmp_path):
         load_profile(path)
 
 
+def test_compile_reads_the_profile_at_once(tiny, tmp_path):
+    """``dejavu_compile.compile`` reads a profile path when called: a missing or malformed
+    file is its error, not one Dynamo wraps at the model's first call."""
+    model = tiny("llama")
+    with pytest.raises(FileNotFoundError, match="profile not found"):
+        dejavu_compile.compile(model, profile=str(tmp_path / "none.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: [1\n")
+    with pytest.raises(ProfileError, match="not valid YAML"):
+        dejavu_compile.compile(model, profile=bad)
+    path, _ = _random_predictor_profile(model, tmp_path)
+    dejavu_compile.compile(model, profile=str(path))
+    with torch.no_grad():
+        _decode_logits(model, prompt(), steps=1)
+    assert dejavu_compile.report(model).layers[1].mlp.selector == "predictor"
+
+
 def test_profile_for_another_model_is_refused(tiny, tmp_path):
     path, _ = _random_predictor_profile(tiny("llama"), tmp_path)
     other = tiny("opt")  # same hidden size, 4 heads, but 4 KV heads instead of 2
