@@ -17,7 +17,13 @@ import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dejavu_compile.passes import PIPELINE, PassContext, lower
-from dejavu_compile.profile import Profile, load_predictors, load_profile
+from dejavu_compile.profile import (
+    ModelIdentity,
+    Profile,
+    ProfileError,
+    load_predictors,
+    load_profile,
+)
 
 from .config import DejavuOptions
 from .report import CompileReport, GraphReport, build_graph_report
@@ -212,6 +218,21 @@ def report(model: torch.nn.Module) -> CompileReport:
     return CompileReport(graphs)
 
 
+def _refuse_other_shapes(model: torch.nn.Module, profile: Profile | None) -> None:
+    """Refuse, before anything is traced, a profile whose model has other shapes than a Hugging
+    Face ``model``'s config says. The sparsify pass checks each layer again from the graph,
+    which is all a model without such a config gets."""
+    config = getattr(model, "config", None)
+    needed = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    if profile is None or not all(hasattr(config, a) for a in needed) or not (
+            hasattr(config, "intermediate_size") or hasattr(config, "ffn_dim")):
+        return
+    wrong = profile.model.mismatch(ModelIdentity.from_config(config, profile.model.name))
+    if wrong:
+        raise ProfileError(f"profile for {profile.model.name!r} does not fit this model: its "
+                           f"config has {wrong}")
+
+
 def compile(model: torch.nn.Module, *, capture: bool = False,  # noqa: A001
             **options) -> torch.nn.Module:
     """Compile ``model`` in place with the dejavu backend, so ``model.generate()`` uses it.
@@ -234,6 +255,7 @@ def compile(model: torch.nn.Module, *, capture: bool = False,  # noqa: A001
         # read now: a missing or malformed profile is an error here, not at the first call
         # (where Dynamo would wrap it in BackendCompilerFailed)
         opts = dataclasses.replace(opts, profile=load_profile(opts.profile))
+    _refuse_other_shapes(model, opts.profile)
     if capture and opts.cudagraphs:
         raise ValueError("compile(capture=True) records its own CUDA graphs (CapturedStep); "
                          "leave the option 'cudagraphs' off")

@@ -203,6 +203,17 @@ def test_compile_reads_the_profile_at_once(tiny, tmp_path):
     assert dejavu_compile.report(model).layers[1].mlp.selector == "predictor"
 
 
+def test_compile_refuses_a_profile_of_other_shapes_at_once(tiny, tmp_path):
+    """Through ``dejavu_compile.compile`` the model's config is checked before anything is
+    traced; the model is left as it was."""
+    path, _ = _random_predictor_profile(tiny("llama"), tmp_path)
+    other = tiny("opt")  # same hidden size, 4 heads, but 4 KV heads instead of 2
+    with pytest.raises(ProfileError, match="does not fit this model: its config has "
+                                           "num_kv_heads=4, the profile says 2"):
+        dejavu_compile.compile(other, profile=path)
+    assert other.forward.__func__ is type(other).forward and other._compiled_call_impl is None
+
+
 def test_profile_for_another_model_is_refused(tiny, tmp_path):
     path, _ = _random_predictor_profile(tiny("llama"), tmp_path)
     other = tiny("opt")  # same hidden size, 4 heads, but 4 KV heads instead of 2
