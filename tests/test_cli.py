@@ -32,11 +32,19 @@ def test_a_malformed_profile_stops_before_the_model_loads(command, tmp_path, mon
 
 
 def test_a_profile_for_another_model_is_one_line(tiny, tmp_path, monkeypatch, capsys):
-    """The fit is checked in the sparsify pass, inside torch.compile, which wraps what the
-    backend raises in its own error: the command reports the profile's."""
+    """The model's config is checked before anything is traced. Without that check (a model
+    without a Hugging Face config) the sparsify pass checks, inside torch.compile, which wraps
+    what the backend raises in its own error: the command reports the profile's."""
+    from dejavu_compile import backend
+
     model = tiny("llama")
     monkeypatch.setattr(models, "load_model", lambda name: models.LoadedModel(name, model, None))
     args = ["export", "m", "--profile", str(SHIPPED), "--out", str(tmp_path), "--no-onnx"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dejavu export: error: profile for 'smollm2-135m' does not fit this "
+                          "model: its config has num_layers=2, the profile says 30\n")
+    monkeypatch.setattr(backend, "_refuse_other_shapes", lambda model, profile: None)
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("dejavu export: error: profile for 'smollm2-135m' does not fit")
@@ -44,7 +52,7 @@ def test_a_profile_for_another_model_is_one_line(tiny, tmp_path, monkeypatch, ca
     monkeypatch.setenv("DEJAVU_TRACEBACK", "1")
     with pytest.raises(Exception) as info:
         cli.main(args)
-    assert isinstance(getattr(info.value, "inner_exception", info.value), ProfileError)
+    assert isinstance(info.value.inner_exception, ProfileError)
 
 
 def test_bad_options_and_a_missing_gpu_are_one_line(monkeypatch, capsys):
