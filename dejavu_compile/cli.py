@@ -71,7 +71,14 @@ def _bench(args) -> int:
 def _text_ids(loaded, text_file: str | None, split: str, tokens: int):
     from .models import documentation_text
 
-    text = open(text_file).read() if text_file else documentation_text(split)
+    if text_file:
+        try:
+            with open(text_file, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--text {text_file}: not UTF-8 text ({e})") from e
+    else:
+        text = documentation_text(split)
     ids = loaded.encode(text, tokens)
     if ids.shape[1] < min(tokens, 256):
         raise ValueError(f"only {ids.shape[1]} tokens of text; need at least {min(tokens, 256)}")

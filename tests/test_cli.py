@@ -55,6 +55,21 @@ def test_a_profile_for_another_model_is_one_line(tiny, tmp_path, monkeypatch, ca
     assert isinstance(info.value.inner_exception, ProfileError)
 
 
+def test_a_text_file_that_is_missing_or_not_text_is_one_line(tmp_path, monkeypatch, capsys):
+    """``--text``: read as UTF-8; a file that is not names itself (the decoder's message alone
+    did not)."""
+    loaded = models.LoadedModel("m", None, None)
+    monkeypatch.setattr(models, "load_model", lambda name: loaded)
+    binary = tmp_path / "text.bin"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    out = ["--out", str(tmp_path / "p.yaml")]
+    assert cli.main(["calibrate", "m", "--text", str(binary), *out]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"dejavu calibrate: error: --text {binary}: not UTF-8 text (")
+    assert cli.main(["calibrate", "m", "--text", str(tmp_path / "none.txt"), *out]) == 2
+    assert "error: [Errno 2] No such file or directory: " in capsys.readouterr().err
+
+
 def test_bad_options_and_a_missing_gpu_are_one_line(monkeypatch, capsys):
     assert cli.main(["plan", "llama-3.1-8b", "--context", "2048", "--kv-keep", "0"]) == 2
     assert capsys.readouterr().err.startswith("dejavu plan: error: kv_keep must be in (0, 1]")
