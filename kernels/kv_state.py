@@ -77,7 +77,8 @@ def _drop(key: tuple, state: LazyState) -> None:
 
 
 def live_states() -> int:
-    """How many caches have lazy K/V state now (tests)."""
+    """How many cache tensors (a layer's keys, so a cache's layers each) have lazy K/V state
+    now (tests)."""
     return len(_STATES)
 
 

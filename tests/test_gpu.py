@@ -501,16 +501,26 @@ def test_a_captured_step_lets_a_dropped_cache_go():
     runs = [_teacher_forced_logits(model, step, tokens, 24) for _ in range(3)]
     gc.collect()
     assert step.captured == 1
-    assert kv_state.live_states() == before + 1  # the last cache's, still in its output
+    # the last cache's alone, still in its output: a state per layer's keys tensor
+    assert kv_state.live_states() == before + model.config.num_hidden_layers
     scale = want.abs().max().item()
     for got in runs:
         torch.testing.assert_close(got, want, atol=2e-2 * scale, rtol=2e-2)
-    cache, mask = _prefilled(model, tokens[:, :32], tokens.shape[1] + 1)
-    pos = torch.tensor([32], device="cuda")
-    for _ in range(3):  # run, capture, replay
-        out = step(input_ids=tokens[:, 31:32], past_key_values=cache, cache_position=pos,
-                   position_ids=pos[None], attention_mask=mask, use_cache=True)
-        assert out.past_key_values is cache
+    def call(forward, cache, mask, i: int):  # decode step i after a 32-token prefill
+        pos = torch.tensor([32 + i], device="cuda")
+        return forward(input_ids=tokens[:, 31 + i : 32 + i], past_key_values=cache,
+                       cache_position=pos, position_ids=pos[None], attention_mask=mask,
+                       use_cache=True)
+
+    with torch.no_grad():
+        cache, mask = _prefilled(model, tokens[:, :32], tokens.shape[1] + 1)
+        ref = [call(fwd, cache, mask, i).logits.float().clone() for i in range(3)]
+        del cache
+        cache, mask = _prefilled(model, tokens[:, :32], tokens.shape[1] + 1)
+        for i in range(3):  # run, capture, replay
+            out = call(step, cache, mask, i)
+            assert out.past_key_values is cache
+            torch.testing.assert_close(out.logits.float(), ref[i], atol=2e-2 * scale, rtol=2e-2)
 
 
 def test_programmatic_launch_in_the_captured_lazy_step():
