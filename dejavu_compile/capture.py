@@ -36,7 +36,8 @@ positions) peaked at 33.9 GiB against HF compiled's 27.3, and 25.6 against 24.4 
 default prompt: four caches held, each 1.68 GB of keys and values and 0.84 GB of lazy
 inputs at 2048 positions (0.21 and 0.11 GB at 257), where HF compiled's loop holds two at
 most, account for all but about 0.4 GiB of each difference, the same at both prompts
-(dejavu's predictors and the like). Not yet measured since this change. A capture's output
+(dejavu's predictors and the like). Since this change that bench peaks at 29.2 GiB at
+``--prompt 1919`` and 25.0 at the default prompt (H100, fifty-fifth session). A capture's output
 now keeps no cache: each replay puts the call's own caches where the capture's output held
 one (a dict output, such as a ``ModelOutput``, in place; a tuple anew), and a call that
 replays another key's capture empties the dict outputs of the key before, so a cache the

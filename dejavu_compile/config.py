@@ -32,8 +32,10 @@ DEFAULT_DECODE_ATTENTION = "cuda"
 # least this many positions. Measured on an H100 (BENCHMARKS.md, fifty-third and fifty-fourth
 # sessions): the attention call alone over 20 of OPT-13B's 40 heads took 5.0 against 5.4 us at
 # 256 positions and 7.5 against 9.1 at 1024; OPT-13B's step with a cache of 2048 positions
-# 4.53 against 4.72 and 4.48 against 4.69 ms in two rounds; on an H200 at 256 positions the
-# step was no faster (3.56 against 3.52 ms, forty-ninth session)
+# 4.53 against 4.72 and 4.48 against 4.69 ms in two rounds; with a cache of 1024 positions
+# (fifty-fifth session) 4.23 against 4.30 and 4.24 against 4.30 ms, in both orders; on an H200
+# at 256 positions the step was no faster (3.56 against 3.52 ms, forty-ninth session). Where
+# between 256 and 1024 it starts to pay is not measured.
 SELECTED_HEADS_MIN_POSITIONS = 1024
 
 
@@ -151,7 +153,8 @@ class DejavuOptions:
         5.6 us a layer against 5.3, bound by latency, not bytes, at that length. On an H100
         (fifty-fourth session) with a cache of 2048 positions it was 4.0% and 4.5% faster in two
         rounds (4.53 against 4.72 and 4.48 against 4.69 ms; ``dejavu_captured_qkv_allattn_pdl``
-        is the step without it).
+        is the step without it), and with 1024 positions 1.6% and 1.4% faster (fifty-fifth
+        session: 4.23 against 4.30 and 4.24 against 4.30 ms).
     graph_splits: layers before which the captured decode step is cut into another CUDA graph:
         ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the rest; Inductor's graphs with
         ``cudagraphs``, else those of ``CapturedStep`` (without either, the cuts are copies that
