@@ -222,12 +222,13 @@ def _refuse_other_shapes(model: torch.nn.Module, profile: Profile | None) -> Non
     """Refuse, before anything is traced, a profile whose model has other shapes than a Hugging
     Face ``model``'s config says. The sparsify pass checks each layer again from the graph,
     which is all a model without such a config gets."""
-    config = getattr(model, "config", None)
-    needed = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    if profile is None or not all(hasattr(config, a) for a in needed) or not (
-            hasattr(config, "intermediate_size") or hasattr(config, "ffn_dim")):
+    if profile is None:
         return
-    wrong = profile.model.mismatch(ModelIdentity.from_config(config, profile.model.name))
+    try:  # the shapes the calibrator wrote into the profile, read the same way
+        here = ModelIdentity.from_config(getattr(model, "config", None), profile.model.name)
+    except AttributeError:  # no config, or one without those fields
+        return
+    wrong = profile.model.mismatch(here)
     if wrong:
         raise ProfileError(f"profile for {profile.model.name!r} does not fit this model: its "
                            f"config has {wrong}")
@@ -251,10 +252,10 @@ def compile(model: torch.nn.Module, *, capture: bool = False,  # noqa: A001
     filled yet) and calls on CPU run the compiled forward as it is. Leave ``cudagraphs`` off.
     """
     opts = DejavuOptions.from_mapping(options)
-    if opts.profile is not None and not isinstance(opts.profile, Profile):
+    if opts.profile is not None:
         # read now: a missing or malformed profile is an error here, not at the first call
         # (where Dynamo would wrap it in BackendCompilerFailed)
-        opts = dataclasses.replace(opts, profile=load_profile(opts.profile))
+        opts = dataclasses.replace(opts, profile=_resolve_profile(opts.profile))
     _refuse_other_shapes(model, opts.profile)
     if capture and opts.cudagraphs:
         raise ValueError("compile(capture=True) records its own CUDA graphs (CapturedStep); "
