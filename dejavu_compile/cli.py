@@ -222,7 +222,9 @@ def _retrieval(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dejavu`` command line: every subcommand, its options and their defaults (each
+    taken from the module that uses it)."""
     parser = argparse.ArgumentParser(prog="dejavu", description="contextual sparsity for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="smollm2-135m, gemma3-270m, a .gguf file or a HF directory")
     p.add_argument("--out", required=True, help="profile YAML to write (predictors beside it)")
     p.add_argument("--text", help="calibration text file (default: Python docs, calibration split)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS)
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                   help="calibration tokens taken from the text (default %(default)s)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--target-density", type=float,
                         help="MLP bytes read per token, predictors included, as a fraction of "
@@ -248,10 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     budget.add_argument("--max-ppl-increase", type=float,
                         help="instead: the fewest bytes whose perplexity on held-out calibration "
                              "tokens stays within this increase (0.03: +3%%)")
-    p.add_argument("--rank", type=int, default=DEFAULT_RANK)
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
+    p.add_argument("--rank", type=int, default=DEFAULT_RANK,
+                   help="rank of each low-rank predictor (default %(default)s)")
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
+                   help="training epochs of each predictor (default %(default)s)")
     p.add_argument("--cache", help="folder for recorded activations (a rerun resumes from it)")
-    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=False,
+                   help="train each predictor after the first on the layer before's MLP "
+                        "input (paper section 4.3)")
     p.add_argument("--selectors", nargs="+", choices=CALIBRATION_SELECTORS,
                    default=list(DEFAULT_SELECTORS),
                    help="candidate selectors per layer: the allocation picks one per layer")
@@ -264,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_calibrate)
 
     p = sub.add_parser("eval", help="perplexity and agreement: dense, oracle, profile")
-    p.add_argument("model")
-    p.add_argument("--profile", required=True)
+    p.add_argument("model", help="smollm2-135m, gemma3-270m, a .gguf file or a HF directory")
+    p.add_argument("--profile", required=True, help="profile YAML to evaluate")
     p.add_argument("--text", help="held-out text file (default: Python docs, held-out split)")
     p.add_argument("--windows", type=int, default=4, help="windows of 128 tokens to decode")
     p.add_argument("--json", help="write the results as JSON")
@@ -273,13 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_eval)
 
     p = sub.add_parser("export", help="write the transformed decode graph: code, SVG, ONNX, report")
-    p.add_argument("model")
+    p.add_argument("model", help="smollm2-135m, gemma3-270m, a .gguf file or a HF directory")
     p.add_argument("--profile", help="profile YAML (else the oracle at the densities below)")
-    p.add_argument("--mlp-density", type=float, default=0.5)
-    p.add_argument("--attention-density", type=float, default=None)
+    p.add_argument("--mlp-density", type=float, default=0.5,
+                   help="the oracle's fraction of MLP neurons kept (default %(default)s)")
+    p.add_argument("--attention-density", type=float, default=None,
+                   help="the oracle's fraction of attention heads kept (default: all)")
     p.add_argument("--out", required=True, help="folder to write graph.py, graph.svg, ...")
     p.add_argument("--no-onnx", action="store_true", help="skip graph.onnx")
-    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the predictors one layer ahead (default: as the profile's "
+                        "predictors were calibrated)")
     p.set_defaults(fn=_export)
 
     from .plan import DEFAULT_KV_KEEP, DEFAULT_PROJECTION_KEEP, SCOPES
@@ -288,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="a shape name (llama-3.1-8b, qwen3-8b, opt-13b, ...) or a model")
     p.add_argument("--profile", help="take the projection keep and predictor bytes from a profile")
     p.add_argument("--context", type=int, nargs="+", required=True, help="context lengths")
-    p.add_argument("--projection-keep", type=float, default=DEFAULT_PROJECTION_KEEP)
-    p.add_argument("--kv-keep", type=float, default=DEFAULT_KV_KEEP)
+    p.add_argument("--projection-keep", type=float, default=DEFAULT_PROJECTION_KEEP,
+                   help="fraction of the projection bytes read (without a profile)")
+    p.add_argument("--kv-keep", type=float, default=DEFAULT_KV_KEEP,
+                   help="fraction of the cached positions KV sparsity reads")
     p.add_argument("--scope", choices=SCOPES, default="all",
                    help="projections the projection branch sparsifies (without a profile)")
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per weight and cache value")
@@ -299,16 +312,19 @@ def main(argv: list[str] | None = None) -> int:
     from .kv import POLICIES
 
     p = sub.add_parser("retrieval", help="passkey and multi-key trials: KV policies vs dense")
-    p.add_argument("model")
+    p.add_argument("model", help="smollm2-135m, gemma3-270m, a .gguf file or a HF directory")
     p.add_argument("--context", type=int, nargs="+", default=[1024, 2048], help="prompt tokens")
-    p.add_argument("--kv-keep", type=float, default=DEFAULT_KV_KEEP)
-    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    p.add_argument("--kv-keep", type=float, default=DEFAULT_KV_KEEP,
+                   help="fraction of the prompt's positions each KV policy keeps")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                   help="KV policies to try (default: all)")
     p.add_argument("--profile", help="decode through the dejavu-compiled model (composition)")
     p.add_argument("--json", help="write every trial as JSON")
     p.set_defaults(fn=_retrieval)
 
     p = sub.add_parser("bench", help="kernel sweep and end-to-end decode latency (CUDA GPU)")
-    p.add_argument("--models", nargs="+", default=["opt-13b", "llama-3-8b"])
+    p.add_argument("--models", nargs="+", default=["opt-13b", "llama-3-8b"],
+                   help="shape names, built with random weights (default: %(default)s)")
     p.add_argument("--json", help="write all measurements to this JSON file")
     p.add_argument("--markdown", help="append a results section to this file (BENCHMARKS.md)")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel sweep")
@@ -345,8 +361,11 @@ def main(argv: list[str] | None = None) -> int:
                         "time per step depends on where it runs; warm-up, compiling and "
                         "tuning stay unpinned)")
     p.set_defaults(fn=_bench)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except Exception as exc:

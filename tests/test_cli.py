@@ -123,3 +123,14 @@ def test_a_retrieval_context_shorter_than_its_text_is_refused():
         retrieval.passkey(_Words(), 0, 0.5)
     with pytest.raises(ValueError, match="a context of 40 tokens"):
         retrieval.multikey(_Words(), 40, 0.5)
+
+
+def test_every_option_says_what_it_does():
+    """``dejavu COMMAND --help`` describes every argument of every command."""
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert set(commands) == {"calibrate", "eval", "export", "plan", "retrieval", "bench"}
+    bare = [f"{name} {action.option_strings or action.dest}"
+            for name, sub in commands.items() for action in sub._actions
+            if action.dest != "help" and not action.help]
+    assert bare == []
