@@ -36,6 +36,8 @@ from .kernels import tuning
 from .profile import BUCKET_UNITS
 
 DENSITIES = (0.05, 0.1, 0.25, 0.5, 0.8, 1.0)
+# the shapes the targets name: what `dejavu bench` measures without --models
+BENCH_MODELS = ("opt-13b", "llama-3-8b")
 LAYERS = 8
 
 

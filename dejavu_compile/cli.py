@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 
-from .bench import DENSITIES, E2E_NEW, E2E_PROMPT, KV_ATTENTION, MODES, SWEEP_BLOCKS
+from .bench import BENCH_MODELS, DENSITIES, E2E_NEW, E2E_PROMPT, KV_ATTENTION, MODES, SWEEP_BLOCKS
 
 
 def _commit() -> str:
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_retrieval)
 
     p = sub.add_parser("bench", help="kernel sweep and end-to-end decode latency (CUDA GPU)")
-    p.add_argument("--models", nargs="+", default=["opt-13b", "llama-3-8b"],
+    p.add_argument("--models", nargs="+", default=list(BENCH_MODELS),
                    help="shape names, built with random weights (default: %(default)s)")
     p.add_argument("--json", help="write all measurements to this JSON file")
     p.add_argument("--markdown", help="append a results section to this file (BENCHMARKS.md)")
