@@ -791,3 +791,28 @@ def test_pdl_probe_refuses_bad_arguments_and_a_machine_without_hopper():
         pytest.skip("this machine has a Hopper GPU: the probe runs here")
     with pytest.raises(SystemExit, match="needs a CUDA GPU of compute capability 9.0"):
         probe.main(["--trials", "1"])
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
+def test_onepass_mlp_study_kernel_is_the_sparse_mlp(gated):
+    """``examples/onepass_mlp_study.py``'s one-launch MLP (the Triton kernel, under the
+    interpreter) adds into zeroed sums the reference sparse MLP's output less its bias, on odd
+    sizes, with a tile of neurons cut short by the selection's end."""
+    from dejavu_compile.kernels import reference
+
+    study = load_example(Path(__file__).parents[1] / "examples" / "onepass_mlp_study.py")
+    gen = torch.Generator().manual_seed(1)
+    n, d, d_out = 37, 45, 29
+    w1 = torch.randn(n, d, generator=gen)
+    w_up = torch.randn(n, d, generator=gen) if gated else None
+    w2_t = torch.randn(n, d_out, generator=gen)
+    b1 = None if gated else torch.randn(n, generator=gen)
+    x = torch.randn(1, d, generator=gen)
+    ids = torch.tensor([[0, 3, 4, 10, 17, 22, 30, 36, 9, 12, 25]])
+    act = "silu" if gated else "relu"
+    sums = torch.zeros(1, d_out)
+    got = study.onepass_sums(x, ids, w1, b1, w_up, w2_t, act, sums, block_n=4, block_d=16,
+                             block_o=16, num_warps=1)
+    assert got is sums
+    want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, None, act)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
