@@ -1,15 +1,15 @@
 """The sparse MLP in one launch instead of two, timed on a GPU against the package's op.
 
 In OPT-13B's decode step (MLP density 0.1) the up and down kernels took 9.5 and 12.9 us a
-layer on an H200 (BENCHMARKS.md, forty-third session's breakdown) for 42 MB, about 44% of the
-copy bandwidth, where a copy of that size reaches 80-84%: each launch pays its ramp and tail.
-A selected neuron's down-projection row (``W2_t``, section 4.4's layout) needs only that
-neuron's activation, so one program can finish a neuron tile's pre-activations over all of d
-and at once add its products into every output: ``_onepass_kernel``, a program per tile of
-``BLOCK_N`` selected neurons, the up loop over d then the down loop over d_out, its products
-added into the fp32 sums with atomics. It leaves the sums unfinished, as the step's down
-kernel does for the add-norm launch that follows it (``DEJAVU_NORM_FINISH=sums``), so both
-forms are timed with that launch:
+layer on an H200 (BENCHMARKS.md, forty-ninth session's breakdown) for 42 MB, about 44% of the
+copy bandwidth, where a copy of that size reaches 80-84%. One launch instead of two would pay
+one ramp and one tail. A selected neuron's down-projection row (``W2_t``, section 4.4's
+layout) needs only that neuron's activation, so one program can finish a neuron tile's
+pre-activations over all of d and at once add its products into every output:
+``_onepass_kernel``, a program per tile of ``BLOCK_N`` selected neurons, the up loop over d
+then the down loop over d_out, its products added into the fp32 sums with atomics. It leaves
+the sums unfinished, as the step's down kernel does for the add-norm launch that follows it
+(``DEJAVU_NORM_FINISH=sums``), so both forms are timed with that launch:
 
 - ``op``: ``sparse_mlp.sparse_mlp`` on a workspace with the layer norm (the step's form: up
   kernel, down kernel, ``add_norm_sums``), autotuned;
@@ -20,6 +20,13 @@ form's time with GB/s on the weight bytes read, and its largest error against th
 output. About a minute per shape (compiling each config):
 
     python examples/onepass_mlp_study.py            # needs a CUDA GPU
+
+Measured on an H100 (fifty-sixth session, BENCHMARKS.md): the one launch is slower on both
+shapes, at its best tile 29.7 against the op's 24.6 us on OPT-13B's (42.6 MB) and 72.5
+against 67.1 on Llama-3-8B's (176 MB), so the package keeps its two kernels. Why was not
+measured. Unlike the op's, each program here reads its rows over all of d in one loop, the
+grid has fewer programs than either of the op's, and every program adds into every output
+with atomics.
 """
 import argparse
 import itertools
