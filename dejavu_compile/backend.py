@@ -234,6 +234,17 @@ def _refuse_other_shapes(model: torch.nn.Module, profile: Profile | None) -> Non
                            f"config has {wrong}")
 
 
+def _checked_options(model: torch.nn.Module, opts: DejavuOptions) -> DejavuOptions:
+    """``opts`` with its profile read now, so that a missing or malformed profile is an error
+    here, not at the first call (where Dynamo would wrap it in BackendCompilerFailed), and
+    each traced graph uses the one read; and refused if its shapes are not ``model``'s
+    (``_refuse_other_shapes``)."""
+    if opts.profile is not None:
+        opts = dataclasses.replace(opts, profile=_resolve_profile(opts.profile))
+    _refuse_other_shapes(model, opts.profile)
+    return opts
+
+
 def compile(model: torch.nn.Module, *, capture: bool = False,  # noqa: A001
             **options) -> torch.nn.Module:
     """Compile ``model`` in place with the dejavu backend, so ``model.generate()`` uses it.
@@ -251,12 +262,7 @@ def compile(model: torch.nn.Module, *, capture: bool = False,  # noqa: A001
     length), so the second step captures and the later ones replay. The prefill (its cache not
     filled yet) and calls on CPU run the compiled forward as it is. Leave ``cudagraphs`` off.
     """
-    opts = DejavuOptions.from_mapping(options)
-    if opts.profile is not None:
-        # read now: a missing or malformed profile is an error here, not at the first call
-        # (where Dynamo would wrap it in BackendCompilerFailed)
-        opts = dataclasses.replace(opts, profile=_resolve_profile(opts.profile))
-    _refuse_other_shapes(model, opts.profile)
+    opts = _checked_options(model, DejavuOptions.from_mapping(options))
     if capture and opts.cudagraphs:
         raise ValueError("compile(capture=True) records its own CUDA graphs (CapturedStep); "
                          "leave the option 'cudagraphs' off")

@@ -336,11 +336,10 @@ def export(model: torch.nn.Module, out: str | Path, *, ids: torch.Tensor | None 
     """Write ``graph.py``, ``graph.svg``, ``graph.onnx`` and ``report.yaml`` for ``model``'s
     decode step into ``out``; ``options`` are the backend's (``profile=...`` or
     ``selector=..., mlp_density=...``). Returns the paths written."""
-    from .backend import _refuse_other_shapes, _resolve_profile
+    from .backend import _checked_options
 
-    opts = DejavuOptions.from_mapping({**options, "inner": "eager"})
-    profile = _resolve_profile(opts.profile)
-    _refuse_other_shapes(model, profile)
+    opts = _checked_options(model, DejavuOptions.from_mapping({**options, "inner": "eager"}))
+    profile = opts.profile
     captured = capture(model, opts, ids)
     main = decode_graph(captured)
     out = Path(out)

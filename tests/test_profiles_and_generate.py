@@ -214,6 +214,19 @@ def test_compile_refuses_a_profile_of_other_shapes_at_once(tiny, tmp_path):
     assert other.forward.__func__ is type(other).forward and other._compiled_call_impl is None
 
 
+def test_export_reads_its_profile_once(tiny, tmp_path, monkeypatch):
+    """``dejavu_compile.export`` hands the profile it read and checked to the graphs it
+    traces: the file is read once, not again by each traced graph."""
+    from dejavu_compile import backend
+
+    model = tiny("llama")
+    path, _ = _random_predictor_profile(model, tmp_path)
+    reads = []
+    monkeypatch.setattr(backend, "load_profile", lambda p: reads.append(p) or load_profile(p))
+    paths = dejavu_compile.export(model, tmp_path / "graphs", onnx=False, profile=path)
+    assert reads == [path] and paths["report.yaml"].is_file()
+
+
 def test_profile_for_another_model_is_refused(tiny, tmp_path):
     path, _ = _random_predictor_profile(tiny("llama"), tmp_path)
     other = tiny("opt")  # same hidden size, 4 heads, but 4 KV heads instead of 2
