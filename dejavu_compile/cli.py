@@ -223,8 +223,7 @@ def _retrieval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``dejavu`` command line: every subcommand, its options and their defaults (each
-    taken from the module that uses it)."""
+    """The ``dejavu`` command line: every subcommand with its options and their defaults."""
     parser = argparse.ArgumentParser(prog="dejavu", description="contextual sparsity for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 

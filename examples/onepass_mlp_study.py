@@ -131,7 +131,7 @@ def study(shape: str, configs=CONFIGS) -> None:
     nw = torch.randn(d, device=dev, dtype=dt)
     nb = None if gated else torch.randn(d, device=dev, dtype=dt)
     norm = (res, nw, nb, 1e-5, gated)
-    ws = torch.zeros(ops.workspace_numel(1, d, k, gated=True) + ops.norm_numel(1, d), device=dev)
+    ws = torch.zeros(ops.workspace_numel(1, d, k, gated) + ops.norm_numel(1, d), device=dev)
     sums = torch.zeros(1, d, device=dev)
 
     def op(i):
