@@ -171,9 +171,15 @@ def account_from_profile(model: ModelBytes, profile, predictors: dict | None = N
                          kv_keep: float = DEFAULT_KV_KEEP, costs_ms: dict | None = None) -> Account:
     """The account of a calibrated profile: its per-layer MLP and head densities give the
     projection keep (over all projections), its predictor tensors the predictor bytes."""
-    if profile.model.hidden_size != model.hidden_size or profile.model.num_layers != model.num_layers:
+    from .profile import ModelIdentity
+
+    shapes = ModelIdentity(model.name, "", model.hidden_size, model.num_layers,
+                           model.intermediate_size, model.num_heads, model.num_kv_heads,
+                           model.head_dim)
+    wrong = profile.model.mismatch(shapes)
+    if wrong:  # the densities are fractions of the profile's own MLP width and head count
         raise ValueError(f"profile for {profile.model.name!r} does not fit {model.name!r}: "
-                         "hidden size or layer count differ")
+                         f"its shape has {wrong}")
     d, hd, esize = model.hidden_size, model.head_dim, model.dtype_bytes
     q_o = 2 * d * model.num_heads * hd * esize
     kept = 0.0

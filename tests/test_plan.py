@@ -109,3 +109,36 @@ def test_compile_report_shows_the_gate(tiny):
     assert costly["choices"][10**6] == "kv"
     assert "dispatch by bytes" in str(rep) and "they cross at" in str(rep)
     assert "keep 0.3 saves 358 B per context token" in str(rep)  # 0.7 x 512, rounded
+
+
+def test_account_from_profile_counts_its_densities_and_refuses_other_shapes():
+    """A profile's per-layer densities set the projection keep (Q and O by head density, K and
+    V read whole), its used predictors the predictor bytes; a profile whose MLP width or head
+    count differ from the model's is refused by name (its densities are fractions of them)."""
+    import dataclasses
+
+    import torch
+
+    from dejavu_compile.plan import account_from_profile
+    from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile
+
+    m = ModelBytes("m", num_layers=2, hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2,
+                   intermediate_size=16, vocab_size=10, gated=False, tied=True)
+    ident = ModelIdentity("calibrated", "opt", 8, 2, 16, 4, 2, 2)
+    profile = Profile(ident, (
+        LayerProfile(0),  # dense
+        LayerProfile(1, mlp=BlockProfile("predictor", 0.25, units=16, rank=4),
+                     attention=BlockProfile("oracle", 0.5, units=4))), predictor_file="p.pt")
+    predictors = {"layers.1.mlp.w1": torch.zeros(4, 8), "layers.1.mlp.w2": torch.zeros(16, 4),
+                  "layers.0.mlp.w1": torch.zeros(100, 8)}  # layer 0 is dense: not read
+    account = account_from_profile(m, profile, predictors)
+    # per layer: MLP 2*8*16*2 = 512 B, Q+O 2*8*8*2 = 256 B, K+V 2*8*4*2 = 128 B
+    assert m.mlp_bytes == 512 and m.attention_bytes == 384
+    assert account.projection_keep == (896 + 0.25 * 512 + 0.5 * 256 + 128) / (2 * 896)
+    assert account.predictor_bytes == (32 + 64) * 2
+    for field, value, says in (("intermediate_size", 32, 16), ("num_kv_heads", 4, 2),
+                               ("num_layers", 3, 2)):
+        other = dataclasses.replace(m, **{field: value})
+        with pytest.raises(ValueError, match=f"profile for 'calibrated' does not fit 'm': its "
+                                             f"shape has {field}={value}, the profile says {says}"):
+            account_from_profile(other, profile)
