@@ -203,7 +203,7 @@ def table(account: Account, contexts: list[int], bandwidth: float | None = None)
         f"{(m.attention_bytes + m.mlp_bytes) * mb:.1f} MB (attention {m.attention_bytes * mb:.1f}, "
         f"MLP {m.mlp_bytes * mb:.1f}), KV cache {m.kv_bytes_per_token} B per token; other reads "
         f"(embedding row, norms, LM head) {m.other_bytes * mb:.1f} MB",
-        f"projection keep {account.projection_keep} ({account.scope} projections), predictors "
+        f"projection keep {account.projection_keep:.4g} ({account.scope} projections), predictors "
         f"{account.predictor_bytes * mb:.1f} MB, KV keep {account.kv_keep}",
         "",
         f"{'context':>8} | {'proj dense':>10} {'proj sparse':>11} {'predictors':>10} | "

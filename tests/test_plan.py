@@ -119,7 +119,7 @@ def test_account_from_profile_counts_its_densities_and_refuses_other_shapes():
 
     import torch
 
-    from dejavu_compile.plan import account_from_profile
+    from dejavu_compile.plan import account_from_profile, table
     from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile
 
     m = ModelBytes("m", num_layers=2, hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2,
@@ -136,6 +136,7 @@ def test_account_from_profile_counts_its_densities_and_refuses_other_shapes():
     assert m.mlp_bytes == 512 and m.attention_bytes == 384
     assert account.projection_keep == (896 + 0.25 * 512 + 0.5 * 256 + 128) / (2 * 896)
     assert account.predictor_bytes == (32 + 64) * 2
+    assert "projection keep 0.7143 (all projections)" in table(account, [16])  # 1280 / 1792
     for field, value, says in (("intermediate_size", 32, 16), ("num_kv_heads", 4, 2),
                                ("num_layers", 3, 2)):
         other = dataclasses.replace(m, **{field: value})
