@@ -171,12 +171,7 @@ def account_from_profile(model: ModelBytes, profile, predictors: dict | None = N
                          kv_keep: float = DEFAULT_KV_KEEP, costs_ms: dict | None = None) -> Account:
     """The account of a calibrated profile: its per-layer MLP and head densities give the
     projection keep (over all projections), its predictor tensors the predictor bytes."""
-    from .profile import ModelIdentity
-
-    shapes = ModelIdentity(model.name, "", model.hidden_size, model.num_layers,
-                           model.intermediate_size, model.num_heads, model.num_kv_heads,
-                           model.head_dim)
-    wrong = profile.model.mismatch(shapes)
+    wrong = profile.model.mismatch(model)
     if wrong:  # the densities are fractions of the profile's own MLP width and head count
         raise ValueError(f"profile for {profile.model.name!r} does not fit {model.name!r}: "
                          f"its shape has {wrong}")

@@ -122,10 +122,11 @@ class ModelIdentity:
             num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
 
-    def mismatch(self, other: ModelIdentity) -> str:
-        """The first shape in which ``other`` differs from this identity, as ``"name=other's,
-        the profile says this one's"``; empty when every shape agrees (names and types may
-        differ: a profile fits any model of its shapes)."""
+    def mismatch(self, other) -> str:
+        """The first shape in which ``other`` (an identity, or anything with these six shape
+        attributes, such as plan's ``ModelBytes``) differs from this identity, as
+        ``"name=other's, the profile says this one's"``; empty when every shape agrees (names
+        and types may differ: a profile fits any model of its shapes)."""
         for f in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                   "head_dim"):
             want, got = getattr(self, f), getattr(other, f)
