@@ -29,14 +29,16 @@ ORIGINAL_LAYOUT_MAX_DENSITY = 0.25
 DEFAULT_BATCH_SELECTION = "union"
 DEFAULT_DECODE_ATTENTION = "cuda"
 # option decode_selected_heads left None: on for a decode attention whose K/V cache holds at
-# least this many positions. Measured on an H100 (BENCHMARKS.md, fifty-third and fifty-fourth
+# least this many positions. Measured on an H100 (BENCHMARKS.md, fifty-third to fifty-eighth
 # sessions): the attention call alone over 20 of OPT-13B's 40 heads took 5.0 against 5.4 us at
-# 256 positions and 7.5 against 9.1 at 1024; OPT-13B's step with a cache of 2048 positions
-# 4.53 against 4.72 and 4.48 against 4.69 ms in two rounds; with a cache of 1024 positions
-# (fifty-fifth session) 4.23 against 4.30 and 4.24 against 4.30 ms, in both orders; on an H200
-# at 256 positions the step was no faster (3.56 against 3.52 ms, forty-ninth session). Where
-# between 256 and 1024 it starts to pay is not measured.
-SELECTED_HEADS_MIN_POSITIONS = 1024
+# 256 positions and 7.5 against 9.1 at 1024; OPT-13B's step was faster with it in every round
+# from 513 positions up: at 513 by 1.0-3.4% in four rounds, both orders (4.19 against 4.24,
+# 4.08 against 4.22, 4.13 against 4.18, 4.15 against 4.19 ms), at 769 by 1.7% and 2.4%, at
+# 1024 by 1.4% and 1.6%, at 2048 by 4.0% and 4.5%. At 257 positions it was 0.9% and 0.3%
+# faster on the H100 (fifty-eighth session; in the fifty-sixth two processes of one step
+# differed by 0.3%) and no faster on an H200 (3.56 against 3.52 ms, forty-ninth session), so
+# it stays off there.
+SELECTED_HEADS_MIN_POSITIONS = 512
 
 
 def _check_density(name: str, value: float | None) -> None:
@@ -144,17 +146,14 @@ class DejavuOptions:
         computed before the attention and no batch's union selection is used; counted in
         ``decode_selected_heads`` (``decode_selected_heads_skipped[...]`` says why not). The
         outputs do not change. ``None`` (the default): where the attention's K/V cache holds
-        at least ``SELECTED_HEADS_MIN_POSITIONS`` (1024) positions, a length known when the
+        at least ``SELECTED_HEADS_MIN_POSITIONS`` (512) positions, a length known when the
         graph is compiled (a static cache; a length that varies is left alone); ``True``: at
-        any length; ``False``: never. On an H200 (BENCHMARKS.md, forty-ninth session)
-        OPT-13B's step at the bench's 129-256 positions was no faster with it, 3.56 against
-        3.52 ms (bench modes ``dejavu_captured_qkv_selattn_pdl`` and
-        ``dejavu_captured_qkv_selattn_merge_pdl``): the split kernel over half the cache took
-        5.6 us a layer against 5.3, bound by latency, not bytes, at that length. On an H100
-        (fifty-fourth session) with a cache of 2048 positions it was 4.0% and 4.5% faster in two
-        rounds (4.53 against 4.72 and 4.48 against 4.69 ms; ``dejavu_captured_qkv_allattn_pdl``
-        is the step without it), and with 1024 positions 1.6% and 1.4% faster (fifty-fifth
-        session: 4.23 against 4.30 and 4.24 against 4.30 ms).
+        any length; ``False``: never. OPT-13B's step was 1.0-4.5% faster with it in every
+        round from 513 positions up (H100; bench mode ``dejavu_captured_qkv_selattn_pdl``
+        against the step without it) and no faster at the bench's 129-256 positions (H200,
+        3.56 against 3.52 ms: the split kernel over half the cache took 5.6 us a layer against
+        5.3, bound by latency, not bytes); the comment at ``SELECTED_HEADS_MIN_POSITIONS``
+        gives each round.
     graph_splits: layers before which the captured decode step is cut into another CUDA graph:
         ``(3, 10)`` makes three graphs, layers 0-2, 3-9 and the rest; Inductor's graphs with
         ``cudagraphs``, else those of ``CapturedStep`` (without either, the cuts are copies that
