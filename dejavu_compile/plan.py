@@ -171,10 +171,12 @@ def account_from_profile(model: ModelBytes, profile, predictors: dict | None = N
                          kv_keep: float = DEFAULT_KV_KEEP, costs_ms: dict | None = None) -> Account:
     """The account of a calibrated profile: its per-layer MLP and head densities give the
     projection keep (over all projections), its predictor tensors the predictor bytes."""
+    from .profile import ProfileError  # here: that module loads torch, which plan does without
+
     wrong = profile.model.mismatch(model)
     if wrong:  # the densities are fractions of the profile's own MLP width and head count
-        raise ValueError(f"profile for {profile.model.name!r} does not fit {model.name!r}: "
-                         f"its shape has {wrong}")
+        raise ProfileError(f"profile for {profile.model.name!r} does not fit {model.name!r}: "
+                           f"its shape has {wrong}")
     d, hd, esize = model.hidden_size, model.head_dim, model.dtype_bytes
     q_o = 2 * d * model.num_heads * hd * esize
     kept = 0.0

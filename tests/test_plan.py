@@ -120,7 +120,7 @@ def test_account_from_profile_counts_its_densities_and_refuses_other_shapes():
     import torch
 
     from dejavu_compile.plan import account_from_profile, table
-    from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile
+    from dejavu_compile.profile import BlockProfile, LayerProfile, ModelIdentity, Profile, ProfileError
 
     m = ModelBytes("m", num_layers=2, hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2,
                    intermediate_size=16, vocab_size=10, gated=False, tied=True)
@@ -140,6 +140,6 @@ def test_account_from_profile_counts_its_densities_and_refuses_other_shapes():
     for field, value, says in (("intermediate_size", 32, 16), ("num_kv_heads", 4, 2),
                                ("num_layers", 3, 2)):
         other = dataclasses.replace(m, **{field: value})
-        with pytest.raises(ValueError, match=f"profile for 'calibrated' does not fit 'm': its "
-                                             f"shape has {field}={value}, the profile says {says}"):
+        with pytest.raises(ProfileError, match=f"profile for 'calibrated' does not fit 'm': its "
+                                               f"shape has {field}={value}, the profile says {says}"):
             account_from_profile(other, profile)
