@@ -32,9 +32,11 @@ DEFAULT_DECODE_ATTENTION = "cuda"
 # least this many positions. Measured on an H100 (BENCHMARKS.md, fifty-third to fifty-eighth
 # sessions): the attention call alone over 20 of OPT-13B's 40 heads took 5.0 against 5.4 us at
 # 256 positions and 7.5 against 9.1 at 1024; OPT-13B's step was faster with it in every round
-# from 513 positions up: at 513 by 1.0-3.4% in four rounds, both orders (4.19 against 4.24,
-# 4.08 against 4.22, 4.13 against 4.18, 4.15 against 4.19 ms), at 769 by 1.7% and 2.4%, at
-# 1024 by 1.4% and 1.6%, at 2048 by 4.0% and 4.5%. At 257 positions it was 0.9% and 0.3%
+# from 769 positions up (at 769 by 1.7% and 2.4%, at 1024 by 1.4% and 1.6%, at 2048 by 4.0%
+# and 4.5%) and in seven rounds of eight at 513: forced on (fifty-eighth session), 4.19
+# against 4.24, 4.08 against 4.22, 4.13 against 4.18 and 4.15 against 4.19 ms; as this
+# default (fifty-ninth), 4.15 against 4.29, 4.17 against 4.33 and 4.25 against 4.27 ms, and
+# 4.31 against 4.19 (2.9% slower) in one round. At 257 positions it was 0.9% and 0.3%
 # faster on the H100 (fifty-eighth session; in the fifty-sixth two processes of one step
 # differed by 0.3%) and no faster on an H200 (3.56 against 3.52 ms, forty-ninth session), so
 # it stays off there.
@@ -148,8 +150,9 @@ class DejavuOptions:
         outputs do not change. ``None`` (the default): where the attention's K/V cache holds
         at least ``SELECTED_HEADS_MIN_POSITIONS`` (512) positions, a length known when the
         graph is compiled (a static cache; a length that varies is left alone); ``True``: at
-        any length; ``False``: never. OPT-13B's step was 1.0-4.5% faster with it in every
-        round from 513 positions up (H100; bench mode ``dejavu_captured_qkv_selattn_pdl``
+        any length; ``False``: never. OPT-13B's step was 1.4-4.5% faster with it in every
+        round from 769 positions up and in seven rounds of eight at 513 (H100; bench modes
+        ``dejavu_captured_qkv_selattn_pdl`` and, with this default, ``dejavu_captured_qkv_pdl``
         against the step without it) and no faster at the bench's 129-256 positions (H200,
         3.56 against 3.52 ms: the split kernel over half the cache took 5.6 us a layer against
         5.3, bound by latency, not bytes); the comment at ``SELECTED_HEADS_MIN_POSITIONS``
