@@ -29,7 +29,7 @@ ORIGINAL_LAYOUT_MAX_DENSITY = 0.25
 DEFAULT_BATCH_SELECTION = "union"
 DEFAULT_DECODE_ATTENTION = "cuda"
 # option decode_selected_heads left None: on for a decode attention whose K/V cache holds at
-# least this many positions. Measured on an H100 (BENCHMARKS.md, fifty-third to fifty-eighth
+# least this many positions. Measured on an H100 (BENCHMARKS.md, fifty-third to fifty-ninth
 # sessions): the attention call alone over 20 of OPT-13B's 40 heads took 5.0 against 5.4 us at
 # 256 positions and 7.5 against 9.1 at 1024; OPT-13B's step was faster with it in every round
 # from 769 positions up (at 769 by 1.7% and 2.4%, at 1024 by 1.4% and 1.6%, at 2048 by 4.0%
