@@ -237,9 +237,12 @@ def test_markdown_has_every_section():
                                                           "2026-11-30")
     assert "| m | hf_compiled |  | 5.00 (4.90-5.10) | 1.50 | 4.50 |" in text  # no operating point
     assert "| m | dejavu_topk | MLP 0.1, attention 0.5 | 5.00" in text
-    assert "| 1.0 | 1.000x |" in text  # the per-step time over the run's hf_compiled
+    assert "| 1.0 | 1.000x |  |" in text  # over the run's hf_compiled; no dense floor recorded
     result["e2e"][1]["ms_per_token"] = 2.0
-    assert "| 1.0 | 0.400x |" in bench.markdown(result, "dejavu bench", "abc1234", "2026-11-30")
+    result["e2e"][1]["dense_floor_ms"] = 8.0
+    assert "| 1.0 | 0.400x | 0.250x (8.00) |" in bench.markdown(result, "dejavu bench",
+                                                                "abc1234", "2026-11-30")
+    del result["e2e"][1]["dense_floor_ms"]
     result["e2e"][1]["ms_per_token"] = 5.0
     alone = {**result, "e2e": result["e2e"][1:]}  # no hf_compiled row: no ratio
     assert "| 1.0 |  |" in bench.markdown(alone, "dejavu bench", "abc1234", "2026-11-30")
@@ -697,7 +700,7 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     def end_to_end(name, cfg, point, prompt, modes, breakdown, cpus):
         assert prompt == bench.E2E_PROMPT
         yield bench.DecodeResult("hf_compiled", 6.0, (5.9, 6.1), 15 * 10**9, 15.1, host_ms=0.6,
-                                 pipelined_ms=5.6)
+                                 pipelined_ms=5.6, dense_bytes=15 * 10**9)
         raise KeyboardInterrupt  # the time limit, before the second mode finished
 
     monkeypatch.setattr(bench, "end_to_end", end_to_end)
@@ -710,6 +713,7 @@ def test_a_stopped_run_keeps_what_it_measured(monkeypatch, tmp_path):
     (row,) = partial["e2e"]
     assert (row["prompt"], row["cache_positions"]) == (128, 257)
     assert row["kv_cache_bytes"] == 2 * 32 * 8 * 128 * 257 * 2
+    assert row["dense_floor_ms"] == pytest.approx(3.75)  # 15 GB at 4 TB/s
     text = bench.markdown(partial, "dejavu bench", "abc1234", "2026-12-01")
     assert "Partial: the run stopped before its end" in text and "hf_compiled" in text
 
@@ -823,10 +827,14 @@ def test_end_to_end_runs_the_dejavu_modes_in_the_order_asked(monkeypatch, tiny):
                         lambda model: SimpleNamespace(bytes_sparse=1))
     modes = ["dejavu_split", "dejavu_captured", "hf_captured", "dejavu_sparse", "hf_compiled",
              "dejavu_split", "dejavu_captured_ahead2"]
-    got = [r.mode for r in bench.end_to_end("llama-3-8b", None, {"mlp": 0.5, "attention": 1.0},
-                                            modes=modes, cpus=[0])]
+    results = list(bench.end_to_end("llama-3-8b", None, {"mlp": 0.5, "attention": 1.0},
+                                    modes=modes, cpus=[0]))
+    got = [r.mode for r in results]
     assert got == seen == ["hf_compiled", "hf_captured", "dejavu_split", "dejavu_captured",
                            "dejavu_sparse", "dejavu_captured_ahead2"]
+    # every mode, dense or sparse, carries the model's dense weight bytes (the dense byte
+    # floor's), counted before any dejavu compilation
+    assert {r.dense_bytes for r in results} == {bench.weight_bytes(tiny("llama"))}
     # the captured modes replay captures of their own: one per key, two for the "2" mode
     assert captured == [0, 1, 0, 1, 0, 2]
 
@@ -852,6 +860,7 @@ def test_isolated_runs_each_mode_in_its_own_process_in_alternating_order(monkeyp
             return 1, "Traceback\nRuntimeError: out of memory\n"
         row = {"model": "opt-13b", "mode": mode, "ms_per_token": times[(mode, r)], "p20": 1.0,
                "p80": 2.0, "bytes_per_token": 1e9, "floor_ms": 0.2, "peak_gib": 1.0,
+               "dense_floor_ms": 10.0,
                "operating_point": {"mlp": 0.1, "attention": 0.5}, "tuned": {},
                "breakdown": [{"kernel": "k", "us_per_step": 1.0, "calls_per_step": 1.0}]}
         tuned = {"k._a": [{"key": [1], "config": {"n": 1}}]} if mode == "dejavu_sparse" else {}
@@ -873,10 +882,13 @@ def test_isolated_runs_each_mode_in_its_own_process_in_alternating_order(monkeyp
     assert [r["round"] for r in result["e2e"]] == [0, 0, 1, 1]
     text = bench.markdown(result, "dejavu bench --isolate 2", "abc1234", "2026-12-01")
     rows = [line for line in text.splitlines() if "| dejavu_sparse (round" in line]
-    assert rows[0].endswith("| 0.400x |") and rows[1].endswith("| 0.400x |"), rows  # 4/10, 4.8/12
+    # over the same round's hf_compiled (4/10, 4.8/12) and over the dense floor (10 ms)
+    assert rows[0].endswith("| 0.400x | 0.400x (10.00) |"), rows
+    assert rows[1].endswith("| 0.400x | 0.480x (10.00) |"), rows
     assert "GPU kernel time per decode step, opt-13b dejavu_sparse (round 1) (" in text
     median = [line for line in text.splitlines() if line.startswith("| opt-13b | dejavu_sparse |")]
-    assert median == ["| opt-13b | dejavu_sparse | 2 | 4.00, 4.80 | 4.40 | 0.400x |"], median
+    assert median == ["| opt-13b | dejavu_sparse | 2 | 4.00, 4.80 | 4.40 | 0.400x | 0.440x |"], \
+        median
     assert "Failed: opt-13b dejavu_fixed in round 1 (return code 1): `RuntimeError: out of " \
            "memory`" in text
     with pytest.raises(ValueError, match="rounds must be at least 1"):
