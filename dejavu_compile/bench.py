@@ -760,7 +760,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_split", "dejavu_captured_split_ahead", "dejavu_captured2",
          "dejavu_captured_ahead2", "dejavu_lazy", "dejavu_captured_lazy",
          "dejavu_captured_lazy_pdl", "dejavu_captured_lazy_mk_pdl", "dejavu_captured_qkv",
-         "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl", "dejavu_captured_qkv_bp_pdl",
+         "dejavu_captured_qkv_pdl", "dejavu_captured_qkv_orig_pdl",
+         "dejavu_captured_qkv_trans_pdl", "dejavu_captured_qkv_bp_pdl",
          "dejavu_captured_qkv_sel_pdl", "dejavu_captured_qkv_heads_pdl",
          "dejavu_captured_qkv_ipdl_pdl",
          "dejavu_captured_ahead_ipdl_pdl", "dejavu_captured_qkv_noipdl_pdl",
@@ -851,9 +852,13 @@ _DEJAVU_MODES = {
     "dejavu_captured_qkv": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     "dejavu_captured_qkv_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # dejavu_captured_qkv_pdl with the output projections left in their original layout and
-    # read along its columns (option out_layout)
+    # read along its columns (option out_layout; since the sixty-first session "auto", the
+    # default, does so at head density 0.5 on CUDA, so the same step), and with them re-laid
+    # out (the default step before)
     "dejavu_captured_qkv_orig_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                                 "out_layout": "original"}),
+    "dejavu_captured_qkv_trans_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
+                                                                 "out_layout": "transposed"}),
     # dejavu_captured_qkv_pdl with every lazy block's cache positions in two foreach ops
     # (option batch_positions)
     "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,

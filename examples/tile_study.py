@@ -12,11 +12,12 @@ the shipped file (``--ship JSON``, on any machine).
     python examples/tile_study.py --models opt-13b --kernel out --densities 0.8   # CUDA GPU
 
 Kernels: ``up`` and ``down`` (the sparse MLP's two launches: the op is timed whole, the other
-kernel at its autotuned tile), ``q`` (the head-gathered query projection) and ``out`` (the
-output projection, on its workspace). About 30 candidates each; compiling them takes most of
-a minute per density. ``mlp`` studies ``up`` and ``down`` in turn, then times the MLP with
-each of the ``--pairs`` fastest tiles of one paired with each of the other's, both pinned, and
-writes the fastest pair: a tile found with the other kernel autotuned need not be the best
+kernel at its autotuned tile), ``q`` (the head-gathered query projection), ``out`` (the output
+projection, on its workspace) and ``cols`` (the output projection on the original layout,
+option ``out_layout``: 15 candidates). About 30 candidates each otherwise; compiling them takes
+most of a minute per density. ``mlp`` studies ``up`` and ``down`` in turn, then times the MLP
+with each of the ``--pairs`` fastest tiles of one paired with each of the other's, both pinned,
+and writes the fastest pair: a tile found with the other kernel autotuned need not be the best
 beside another (OPT-13B's MLP at density 0.1 ran 17.9 us with a pair the autotuner chose, and
 19.6 with the study's fastest down tile beside an autotuned up tile: BENCHMARKS.md,
 twenty-fourth session).
@@ -35,7 +36,8 @@ from triton.runtime.errors import OutOfResources
 from dejavu_compile import bench
 
 KERNELS = {"up": "sparse_mlp._up_kernel", "down": "sparse_mlp._down_kernel",
-           "q": "heads._head_proj_kernel", "out": "heads._head_out_kernel"}
+           "q": "heads._head_proj_kernel", "out": "heads._head_out_kernel",
+           "cols": "heads._head_out_cols_kernel"}
 
 
 def _case(cfg, kernel: str, density: float, dtype):
@@ -62,6 +64,9 @@ def _case(cfg, kernel: str, density: float, dtype):
     if kernel == "q":
         return (lambda i: heads.sparse_head_proj(x, idx, wq[i], None, hd),
                 lambda i: F.linear(x, wq[i]), k * hd * d * esize)
+    if kernel == "cols":  # the Linear's own [d, H * hd] weight, read as its transposed view
+        return (lambda i: heads.sparse_head_out(attn, idx, wo[i].t(), None, hd),
+                lambda i: F.linear(attn, wo[i]), k * hd * d * esize)
     workspace = torch.zeros(ops.workspace_numel(1, d), device="cuda")
     return (lambda i: heads.sparse_head_out(attn, idx, wo_t[i], None, hd, workspace=workspace),
             lambda i: F.linear(attn, wo[i]), k * hd * d * esize)

@@ -19,10 +19,11 @@ such weight is stored as ``[in, out]`` contiguous (paper section 4.4), in one of
   change layout.
 
 With option ``out_layout="original"`` (and with ``"auto"``, the default, on CUDA for the
-layers that read at most a quarter of their heads) the attention output projections are left
-out of the re-layout: their sparse ops read the ``aten.t`` view of the ``[d_out, H * head_dim]``
-parameter as it is, where each output row's selected heads are ``head_dim`` contiguous values
-(``kernels/heads.py::_head_out_cols_kernel``, one program per block of output rows, no atomics).
+layers that read at most ``ORIGINAL_LAYOUT_MAX_DENSITY`` of their heads, 0.8) the attention
+output projections are left out of the re-layout: their sparse ops read the ``aten.t`` view of
+the ``[d_out, H * head_dim]`` parameter as it is, where each output row's selected heads are
+``head_dim`` contiguous values (``kernels/heads.py::_head_out_cols_kernel``, one program per
+block of output rows, no atomics).
 
 Dense projections that read the same input (the K and V projections beside a sparse Q, or Q,
 K and V of a dense attention block, or gate and up of a dense gated MLP) become one linear on

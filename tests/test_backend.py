@@ -178,8 +178,9 @@ def test_original_out_layout_leaves_the_output_projections_in_place(tiny, arch, 
     their ``[d_out, H * head_dim]`` parameters (the op reads the ``aten.t`` view, which the
     CUDA launcher sends to the column-reading kernel), the MLP's down projections are still
     re-laid out, and the logits are those of the transposed layout. ``"auto"`` (the default)
-    keeps the transposed layout on CPU; on CUDA it would keep the original at head density
-    0.25 (1 head of 4), not at 0.5, as the lower pass decides it for these graphs."""
+    keeps the transposed layout on CPU; on CUDA it would keep the original at head densities
+    0.25 and 0.5 (1 and 2 heads of 4, within ``ORIGINAL_LAYOUT_MAX_DENSITY``), and not at 0.5
+    under a limit of 0.25, as the lower pass decides it for these graphs."""
     from dejavu_compile.passes import lower
 
     layers = tiny(arch).config.num_hidden_layers
@@ -214,7 +215,10 @@ def test_original_out_layout_leaves_the_output_projections_in_place(tiny, arch, 
     down = "fc2" if arch == "opt" else "down_proj"
     out = "out_proj" if arch == "opt" else "o_proj"
     monkeypatch.setattr(lower, "_keeps_original", keeps)
-    for density, auto_keeps in ((0.5, False), (0.25, True)):
+    for density, limit, auto_keeps in ((0.5, None, True), (0.25, None, True),
+                                       (0.5, 0.25, False)):
+        if limit is not None:
+            monkeypatch.setattr(lower, "ORIGINAL_LAYOUT_MAX_DENSITY", limit)
         want, swapped, kept = run("transposed", density)
         assert swapped == sorted([down, out] * layers) and kept == 0
         for layout in ("original", "auto"):

@@ -241,6 +241,57 @@ def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
                     {"kernel": study.KERNELS["down"], "key": ["down", 5120], "config": down_cfg}]
 
 
+def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch):
+    """``--kernel cols``: the study's op reads the Linear's own ``[d, H * head_dim]`` weight
+    through its transposed view, so the column kernel runs (the one the study pins, not the
+    re-laid-out layout's), and matches the reference; its dense op is that Linear."""
+    import types
+
+    import torch.nn.functional as F
+    import triton
+    from dejavu_compile.kernels import heads, tuning
+    from dejavu_compile.kernels import reference as ref
+
+    from dejavu_compile import bench
+
+    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    gen = torch.Generator().manual_seed(3)
+    h, hd, d = 4, 8, 24
+    wo_t = [torch.randn(h * hd, d, generator=gen) for _ in range(2)]
+    attn = torch.randn(1, 1, h * hd, generator=gen)
+    idx = torch.tensor([[[1, 3]]])
+    monkeypatch.setattr(bench, "head_weights", lambda cfg, dtype: (
+        h, hd, None, attn, None, wo_t, [w.t().contiguous() for w in wo_t]))
+    monkeypatch.setattr(bench, "random_ids", lambda n, density: (2, idx))
+    op, dense, nbytes = study._case(types.SimpleNamespace(hidden_size=d), "cols", 0.5,
+                                    torch.float32)
+    assert nbytes == 2 * hd * d * 4
+    torch.testing.assert_close(dense(1), F.linear(attn, wo_t[1].t()))
+    tuners = tuning.autotuners()
+    cols, rows = tuners[study.KERNELS["cols"]], tuners["heads._head_out_kernel"]
+    tiles = [triton.Config({"BLOCK_M": m, "UNROLL": u}, num_warps=1) for m, u in ((8, 1), (16, 2))]
+    monkeypatch.setattr(cols, "configs", list(tiles))
+    ran = []
+
+    def time_layers(fn, layers):  # the op (the autotuner's choice, then each pin) or dense
+        if fn is not op:
+            ran.append("dense")
+        elif len(cols.configs) > 1:  # the autotuner's own choice: not run (no GPU to time on)
+            ran.append("chosen")
+        else:
+            ran.append((cols.configs[0].kwargs, len(rows.configs)))
+            torch.testing.assert_close(fn(1), ref.sparse_head_out(attn, idx, wo_t[1], None, hd))
+        return 1.0, 1.0, 1.0
+
+    monkeypatch.setattr(bench, "_time_layers", time_layers)
+    assert heads.reads_columns(bench.head_weights(None, None)[6][1].t(), hd)
+    result, _ = study.study("opt-13b", "cols", 0.5, case=(op, dense, nbytes))
+    assert result["kernel"] == "heads._head_out_cols_kernel"
+    assert len(result["rows"]) == 2 and cols.configs == tiles
+    # each candidate of the column kernel pinned in turn, the row kernel's left as they were
+    assert ran == ["chosen", "dense"] + [(t.kwargs, len(rows.configs)) for t in tiles]
+
+
 def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_path, capsys):
     """``--ship`` (no GPU): a study's tile for a key already shipped replaces that config, a
     new key is added, other kernels' and keys' entries and the file's ``about`` stay; a second
