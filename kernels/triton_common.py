@@ -778,9 +778,10 @@ def column_configs() -> list[triton.Config]:
     if INTERPRET or QUICK_TUNE:
         return [triton.Config({"BLOCK_M": 8 if INTERPRET else 16, "UNROLL": 2},
                               num_warps=1 if INTERPRET else 4)]
-    # (8, 4, 8) and (16, 4, 8): the fastest two of 84 tiles (4-32 rows, 1-8 heads a step, 4 or
-    # 8 warps, 2-4 stages; the stages changed nothing) on OPT-13B's output projection at head
-    # densities 0.1, 0.5 and 0.8 on an H100 (BENCHMARKS.md, sixty-first session)
+    # (8, 4, 8): the fastest of 84 tiles (4-32 rows, 1-8 heads a step, 4 or 8 warps, 2-4
+    # stages; the stages changed nothing) on OPT-13B's output projection at head densities 0.1,
+    # 0.5 and 0.8 on an H100, and (16, 4, 8) the second at 0.5 and 0.8 (BENCHMARKS.md,
+    # sixty-first session)
     shapes = [(8, 1, 2), (8, 2, 2), (8, 4, 4), (16, 1, 4), (16, 2, 4), (16, 4, 4), (16, 2, 2),
               (32, 1, 4), (32, 2, 4), (32, 2, 8), (32, 4, 8), (64, 1, 8), (64, 2, 8),
               (8, 4, 8), (16, 4, 8)]
