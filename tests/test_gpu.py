@@ -828,23 +828,27 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
     tokens = torch.randint(0, 512, (1, 32 + 24), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(8))
     runs = {}
+
+    def replay(model, mode, **extra):
+        """The replayed step's logits under ``mode``, with ``normed`` holding the launches
+        after the warm-up (the first warm-up's in-place re-layout reads the output
+        projections' strided views as they are, so with the column kernel, once: relayout
+        "in_place")."""
+        torch._dynamo.reset()
+        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
+                            options={**options, **extra})
+        with kernel_switches(mode):
+            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
+            normed.clear()
+            return _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens, 24)
+
     # the mode, and whether the down and the output projection's kernels finish the norm
     for mode, fuse, in_kernel in (("dejavu_captured_qkv_pdl", False, (False, False)),
                                   ("dejavu_captured_qkv_norm_pdl", True, (True, True)),
                                   ("dejavu_captured_qkv_normk_pdl", True, (False, False)),
                                   ("dejavu_captured_qkv_normm_pdl", True, (True, False)),
                                   ("dejavu_captured_qkv_norms_pdl", True, (False, False))):
-        torch._dynamo.reset()
-        normed.clear()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={**options, "fuse_norm": fuse})
-        with kernel_switches(mode):
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            # (the first run's warm-up reads the output projections' strided views as they
-            # are, so with the column kernel, once: relayout "in_place")
-            normed.clear()
-            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
-                                                24)
+        runs[mode] = replay(model, mode, fuse_norm=fuse)
         assert set(normed) == {("_down_kernel", in_kernel[0]),
                                ("_head_out_kernel", in_kernel[1])}, (mode, set(normed))
         counters = dejavu_compile.report(model).counters
@@ -854,14 +858,8 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
     # its own (the same seeded weights; the runs above re-laid theirs out in place): the
     # column kernel stores finished outputs (no NORM) and the add-norm launch reads them
     model = _small_opt(6)
-    torch._dynamo.reset()
-    normed.clear()
-    fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                        options={**options, "out_layout": "auto", "fuse_norm": True})
-    with kernel_switches("dejavu_captured_qkv_pdl"):
-        _teacher_forced_logits(model, fwd, tokens, 24)
-        runs["original"] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                                  tokens, 24)
+    runs["original"] = replay(model, "dejavu_captured_qkv_pdl", out_layout="auto",
+                              fuse_norm=True)
     assert set(normed) == {("_down_kernel", False), ("_head_out_cols_kernel", None)}, normed
     counters = dejavu_compile.report(model).counters
     assert counters.get("out_layout_original", 0) > 0, counters
