@@ -26,7 +26,10 @@ DEFAULT_OUT_LAYOUT = "auto"
 # transposed layout at head density 0.5 and 17.8 against 21.2 at 0.8 (cuBLAS dense 19.8),
 # Llama-3-8B's 7.9 against 10.7 and 11.8 against 13.4 (cuBLAS 15.3), OPT-13B's at 0.1 3.3
 # against 6.1; OPT-13B's step at head density 0.5 ran 1.2-2.8% faster in three rounds of
-# three. Not measured above 0.8. Before that tile (H200, twenty-fifth session) the transposed
+# three. On an H200 (sixty-third session, `dejavu bench --blocks attention`) the same: 9.0
+# against 12.2 us at 0.5 and 14.1 against 20.9 at 0.8 on OPT-13B (cuBLAS 17.8), 7.1 against
+# 8.3 and 10.6 against 11.7 on Llama-3-8B, and OPT-13B's step 3.46 against 3.50 ms in one
+# round. Not measured above 0.8. Before that tile (H200, twenty-fifth session) the transposed
 # layout was as fast or faster at 0.5 and 0.8, and the limit was 0.25
 ORIGINAL_LAYOUT_MAX_DENSITY = 0.8
 DEFAULT_BATCH_SELECTION = "union"
