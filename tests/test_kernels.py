@@ -534,6 +534,75 @@ def test_decode_attention_kernel_over_selected_heads(monkeypatch, dtype, batch, 
         decode_attention.decode_attention(q, kk, v, scale, None, counters[: batch * k - 1], ids)
 
 
+class _LaunchCount:
+    """A kernel's launches counted (``kernel[grid](...)`` passes through)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,length,head_dim,k", [
+    (1, 4, 1, 1, 8, 2),     # one cached position
+    (2, 6, 3, 37, 12, 2),   # odd length and head size, groups of 2
+    (1, 8, 2, 300, 16, 3),  # a cache of many chunks when split
+    (1, 4, 4, 70, 24, 1),   # no grouping
+])
+def test_decode_attention_attends_a_short_cache_whole(monkeypatch, dtype, batch, heads,
+                                                      kv_heads, length, head_dim, k):
+    """A cache no longer than ``DEJAVU_ATTN_WHOLE_MAX`` is attended in one program per KV head
+    (or slot of the ids), its output stored normalised: the reference's result, with no
+    combine launch, over every head and over a selection (the other rows zero, though every
+    buffer the launcher allocates starts as NaN), with and without a key mask; counters are
+    left zero; a cache one position longer is split and combined as before."""
+    monkeypatch.setattr(decode_attention, "torch", _PoisonedEmpty())
+    combine = _LaunchCount(decode_attention._combine_kernel)
+    combine_heads = _LaunchCount(decode_attention._combine_heads_kernel)
+    monkeypatch.setattr(decode_attention, "_combine_kernel", combine)
+    monkeypatch.setattr(decode_attention, "_combine_heads_kernel", combine_heads)
+    q = _rand(batch, heads, 1, head_dim, dtype=dtype, seed=0) * head_dim ** 0.5
+    kk = _rand(batch, kv_heads, length, head_dim, dtype=dtype, seed=1) * head_dim ** 0.5
+    v = _rand(batch, kv_heads, length, head_dim, dtype=dtype, seed=2)
+    scale = head_dim ** -0.5
+    mask = torch.rand(batch, length, generator=torch.Generator().manual_seed(3)) < 0.6
+    mask[:, : length // 2] = False
+    mask[:, -1] = True
+    mask = mask.to(DEVICE)
+    ids = _selection(batch, heads, k, seed=4)
+    counters = torch.zeros(batch * max(kv_heads, k) + 1, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setenv(decode_attention.WHOLE_MAX_ENV, str(length))
+    for m, c, sel in itertools.product((None, mask), (None, counters), (None, ids)):
+        want = _ref64(ref.decode_attention, q, kk, v, scale, m, sel)
+        got = decode_attention.decode_attention(q, kk, v, scale, m, c, sel)
+        assert got.dtype == dtype and got.shape == want.shape
+        if sel is not None:
+            assert not got[~ref.named_heads(sel, batch, heads, heads // kv_heads)].any()
+        torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    assert combine.count == combine_heads.count == 0
+    assert not counters.any()
+    monkeypatch.setenv(decode_attention.WHOLE_MAX_ENV, str(length - 1))
+    for sel in (None, ids):
+        torch.testing.assert_close(
+            decode_attention.decode_attention(q, kk, v, scale, mask, None, sel).double(),
+            _ref64(ref.decode_attention, q, kk, v, scale, mask, sel), **TOL[dtype])
+    assert combine.count == combine_heads.count == 1
+
+
+def test_decode_attention_whole_max_refuses_what_is_not_a_length(monkeypatch):
+    monkeypatch.delenv(decode_attention.WHOLE_MAX_ENV, raising=False)
+    assert decode_attention.whole_max() == 0
+    monkeypatch.setenv(decode_attention.WHOLE_MAX_ENV, "1024")
+    assert decode_attention.whole_max() == 1024
+    for bad in ("-1", "1e3", "all", ""):
+        monkeypatch.setenv(decode_attention.WHOLE_MAX_ENV, bad)
+        with pytest.raises(ValueError, match="DEJAVU_ATTN_WHOLE_MAX=.*longest cache"):
+            decode_attention.whole_max()
+
+
 def test_decode_attention_merges_chunks_in_blocks(monkeypatch):
     """A long cache's chunks are merged a few at a time (here 2 in the split kernel, which
     merges both rows of a group, so 300 keys take 10 rounds of the merge's loop; 4 in the
