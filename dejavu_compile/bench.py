@@ -776,8 +776,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_exit_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
          "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl",
-         "dejavu_captured_qkv_allattn_pdl", "dejavu_captured_qkv_whole_pdl",
-         "dejavu_captured_ahead_whole_pdl")
+         "dejavu_captured_qkv_allattn_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -965,12 +964,6 @@ _DEJAVU_MODES = {
     # programmatically too: every kernel still launched so, none overlapping the next
     "dejavu_captured_qkv_exit_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     "dejavu_captured_ahead_exit_pdl": (True, True, BUCKET_UNITS, _CAPTURED_AHEAD_IPDL),
-    # and with each decode attention over a cache of at most
-    # decode_attention.WHOLE_BENCH_MAX positions in one program per KV head, its output stored
-    # normalised: no partials, no combine launch (decode_attention.WHOLE_MAX_ENV;
-    # kernel_switches)
-    "dejavu_captured_qkv_whole_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
-    "dejavu_captured_ahead_whole_pdl": (True, True, BUCKET_UNITS, _CAPTURED_AHEAD_IPDL),
     # dejavu_captured_lazy_pdl with Inductor's reductions (the layer norms) compiled both as
     # loops and in one pass, the faster kept (option multi_kernel)
     "dejavu_captured_lazy_mk_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_LAZY,
@@ -996,10 +989,7 @@ def kernel_switches(mode: str):
     "sums" for ``dejavu_captured_qkv_norms_pdl``, ``DEJAVU_NORM_LAUNCH`` (how the add-norm
     and finish kernels launch) "late" for the modes named ``*_normlate_pdl`` and
     ``*_exit_pdl``, ``DEJAVU_PDL_START`` (where a kernel starts its successor) "exit" for
-    the modes named ``*_exit_pdl``, ``DEJAVU_ATTN_WHOLE_MAX`` (the longest cache a decode
-    attention reads in one program per KV head) ``decode_attention.WHOLE_BENCH_MAX`` for the
-    modes named ``*_whole_pdl``, each unset otherwise; restored afterwards."""
-    from dejavu_compile.kernels.decode_attention import WHOLE_BENCH_MAX, WHOLE_MAX_ENV
+    the modes named ``*_exit_pdl``, each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
         EARLY_IDS_ENV,
@@ -1018,9 +1008,6 @@ def kernel_switches(mode: str):
         os.environ.pop(NORM_FINISH_ENV, None)
         os.environ.pop(NORM_LAUNCH_ENV, None)
         os.environ.pop(PDL_START_ENV, None)
-        os.environ.pop(WHOLE_MAX_ENV, None)
-        if mode.endswith("_whole_pdl"):
-            os.environ[WHOLE_MAX_ENV] = str(WHOLE_BENCH_MAX)
         if mode.endswith(("_normlate_pdl", "_exit_pdl")):
             os.environ[NORM_LAUNCH_ENV] = "late"
         if mode.endswith("_exit_pdl"):

@@ -8,23 +8,18 @@ OPT-13B (40 heads, each its own KV head).
 With ``--heads F`` it also times the kernel over a selection of that fraction of the query
 heads (option ``decode_selected_heads``: the heads an output projection reads), which reads the
 cache of the selected heads' KV heads only, each once, and checks those heads' rows against
-the kernel over every head. With ``--whole`` it also times the kernel attending each KV head's
-whole cache in one program, with no combine launch (``DEJAVU_ATTN_WHOLE_MAX`` set past the
-context for that call), and checks it against the split form.
+the kernel over every head.
 
-    python examples/decode_attention_bench.py [CONTEXT ...] [--shape opt] [--heads 0.5] [--whole]
+    python examples/decode_attention_bench.py [CONTEXT ...] [--shape opt] [--heads 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from dejavu_compile.kernels.decode_attention import WHOLE_MAX_ENV
 
 import dejavu_compile  # noqa: F401  (registers the ops and their CUDA kernels)
 
@@ -39,23 +34,12 @@ def selected_count(heads: int, fraction: float) -> int:
     return max(1, round(fraction * heads))
 
 
-def _whole(fn, context: int):
-    """``fn`` with every cache up to ``context`` positions attended whole (the environment
-    restored afterwards, so the split form's calls stay split)."""
-    def call(*args):
-        with mock.patch.dict(os.environ, {WHOLE_MAX_ENV: str(context)}):
-            return fn(*args)
-    return call
-
-
-def main(contexts: list[int], shape: str = "llama", fraction: float | None = None,
-         whole: bool = False) -> None:
+def main(contexts: list[int], shape: str = "llama", fraction: float | None = None) -> None:
     from triton.testing import do_bench_cudagraph as do_bench
 
     heads, kv_heads, hd = SHAPES[shape]
     k_sel = None if fraction is None else selected_count(heads, fraction)
     sel = "" if k_sel is None else f" | {k_sel} heads us | GB/s"
-    sel += " | whole us | GB/s" if whole else ""
     print(f"context | dejavu us | GB/s{sel} | sdpa us | GB/s | max |diff|")
     gen = torch.Generator().manual_seed(0)
     for n in contexts:
@@ -82,12 +66,6 @@ def main(contexts: list[int], shape: str = "llama", fraction: float | None = Non
             t_sel = 1e3 * do_bench(functools.partial(torch.ops.dejavu.decode_attention, q, k, v,
                                                      scale, None, None, ids))
             row += f" | {t_sel:.1f} | {sel_bytes / t_sel / 1e3:.0f}"
-        if whole:  # the launcher reads the variable as the graph is captured
-            op = _whole(torch.ops.dejavu.decode_attention, n)
-            got = op(q, k, v, scale)
-            diff = max(diff, (got.float() - ours.float()).abs().max().item())
-            t_whole = 1e3 * do_bench(functools.partial(op, q, k, v, scale))
-            row += f" | {t_whole:.1f} | {nbytes / t_whole / 1e3:.0f}"
         print(f"{row} | {t_sdpa:.1f} | {nbytes / t_sdpa / 1e3:.0f} | {diff:.1e}", flush=True)
 
 
@@ -97,8 +75,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama")
     p.add_argument("--heads", type=float, metavar="F",
                    help="also time the kernel over this fraction of the query heads")
-    p.add_argument("--whole", action="store_true",
-                   help="also time the kernel over each KV head's whole cache in one program")
     args = p.parse_args(argv)
     if args.heads is not None:
         try:  # checked before any GPU work
@@ -110,4 +86,4 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = parse()
-    main(args.contexts, args.shape, args.heads, args.whole)
+    main(args.contexts, args.shape, args.heads)

@@ -25,20 +25,11 @@ named head reads is not read at all and none is read twice; one more program per
 zeroes the output rows of the groups not named (in the combine launch, or in the split kernel
 when it merges).
 
-A cache no longer than ``whole_max()`` positions (``DEJAVU_ATTN_WHOLE_MAX``; never, by
-default) is not split: one program per (sequence, KV head), or per slot of ``heads``, attends
-over all of it and stores its output normalised, so no partials are written and step 2 is not
-launched, with or without ``counters`` (which are then left as they are, zero). For a short
-cache the split's second launch and the partials' round trip through L2 cost more than the
-parallelism over the keys gives back; how short is measured on the GPU, not assumed.
-
 Without ``heads`` the cache is read exactly once. Reference:
 ``kernels/reference.py::decode_attention``.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -59,22 +50,6 @@ LONG_CHUNK = 16 if INTERPRET else 128
 # enough programs to fill the GPU several times over; each chunk at least one unit
 PROGRAMS = 4 * 132
 MIN_PROGRAMS = PROGRAMS // 8  # half a wave of programs on an H200
-
-
-# the longest cache (positions) attended whole, a program per KV head (the module docstring);
-# unset or 0: never. ``dejavu bench`` modes ``*_whole_pdl`` set it (``WHOLE_BENCH_MAX``).
-WHOLE_MAX_ENV = "DEJAVU_ATTN_WHOLE_MAX"
-WHOLE_BENCH_MAX = 1024
-
-
-def whole_max() -> int:
-    """``WHOLE_MAX_ENV`` as a number of positions (unset: 0, never); anything but a whole
-    number from 0 up is an error naming the variable."""
-    asked = os.environ.get(WHOLE_MAX_ENV, "0")
-    if not asked.strip().isdigit():
-        raise ValueError(f"{WHOLE_MAX_ENV}={asked!r}: set it to the longest cache, in positions, "
-                         f"to attend in one program per KV head (0: never)")
-    return int(asked)
 
 
 def _configs() -> list[triton.Config]:
@@ -174,17 +149,6 @@ def _store_partials(o_ptr, m_ptr, l_ptr, part, rows, mask_g, offs_d, mask_d, acc
     tl.store(l_ptr + part * GP + rows, s_sum, mask=mask_g)
 
 
-@triton.jit
-def _store_rows(out_b, h0, rows, mask_g, offs_d, mask_d, acc, s_sum, so_h):
-    """A whole cache's output (``WHOLE``): ``acc`` normalised by the sum, into the output rows
-    of query heads ``h0 + rows`` (those in ``mask_g``) of one sequence (``out_b``). A row
-    that sees no key divides by zero, as ``_merge_chunks`` does; a padding row by one."""
-    den = tl.where(mask_g, s_sum, 1.0)
-    tl.store(out_b + (h0 + rows[:, None]) * so_h + offs_d[None, :],
-             (acc / den[:, None]).to(out_b.dtype.element_ty),
-             mask=mask_g[:, None] & mask_d[None, :])
-
-
 # L_BUCKET (the cache length rounded up to a power of two) keys the tuning, so a cache that
 # grows by one position a step does not retune every step
 @triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH", "CHUNK", "MERGE"],
@@ -199,7 +163,6 @@ def _split_kernel(
     MERGE: tl.constexpr,  # the last program of each KV head merges its chunks (``cnt_ptr``)
     GR: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's rows and chunks at once
     PDL: tl.constexpr,
-    WHOLE: tl.constexpr = False,  # one chunk, the whole cache: the output stored normalised
 ):
     wait_inputs(PDL)  # the query and the cache are the kernels' before
     bh, chunk = tl.program_id(0), tl.program_id(1)
@@ -215,12 +178,9 @@ def _split_kernel(
         v_ptr + b * sv_b + kvh * sv_h, mask_ptr + b * smask_b, rows, mask_g, offs_d, mask_d,
         start, tl.minimum(start + CHUNK, L), scale, sq_h, sk_l, sv_l, HAS_MASK, GP, BLOCK_D,
         BLOCK_L, IEEE)
-    if WHOLE:
-        _store_rows(out_ptr + b * so_b, kvh * G, rows, mask_g, offs_d, mask_d, acc, s_sum, so_h)
-    else:
-        _store_partials(o_ptr, m_ptr, l_ptr, bh * splits + chunk, rows, mask_g, offs_d, mask_d,
-                        acc, m, s_sum, GP, BLOCK_D)
-    if MERGE and not WHOLE:
+    _store_partials(o_ptr, m_ptr, l_ptr, bh * splits + chunk, rows, mask_g, offs_d, mask_d, acc,
+                    m, s_sum, GP, BLOCK_D)
+    if MERGE:
         # every thread's stores before the count (its release); the last program's count
         # (its acquire) before its loads, which read the other programs' partials from L2
         tl.debug_barrier()
@@ -273,7 +233,6 @@ def _split_heads_kernel(
     HAS_MASK: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
     IEEE: tl.constexpr, MERGE: tl.constexpr, GR: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_IDS: tl.constexpr, BLOCK_HZ: tl.constexpr, PDL: tl.constexpr,
-    WHOLE: tl.constexpr = False,
 ):
     """``_split_kernel`` over the KV groups of a selection's query heads (``heads``):
     program (sequence x slot of its ``S`` ids, chunk) attends with the query heads of the KV
@@ -281,8 +240,7 @@ def _split_heads_kernel(
     group (``_selected_group``); another slot computes nothing. With ``MERGE`` each sequence
     has one slot more (``SLOTS``), whose first program zeroes the output rows of the groups
     not named, and the last program of each slot merges its chunks (``cnt_ptr``, one counter
-    a slot). With ``WHOLE`` (one chunk) the slot's program stores its rows normalised, and the
-    extra slot zeroes as with ``MERGE``."""
+    a slot)."""
     wait_inputs(PDL)  # the query, the ids and the cache are the kernels' before
     pid, chunk = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
@@ -298,15 +256,9 @@ def _split_heads_kernel(
         start, tl.where(ok, tl.minimum(start + CHUNK, L), start), scale, sq_h, sk_l, sv_l,
         HAS_MASK, GP, BLOCK_D, BLOCK_L, IEEE)
     group = b * S + slot
-    if WHOLE:  # (mask_g holds ``ok``: a slot that computes nothing stores nothing)
-        _store_rows(out_ptr + b * so_b, kvh * G, rows, mask_g, offs_d, mask_d, acc, s_sum, so_h)
-        if slot == S:
-            _zero_unnamed(ids_ptr + b * stride_ids, out_ptr + b * so_b, S, H, G, D, so_h,
-                          BLOCK_IDS, BLOCK_HZ, BLOCK_D)
-    else:
-        _store_partials(o_ptr, m_ptr, l_ptr, group * splits + chunk, rows, mask_g, offs_d,
-                        mask_d, acc, m, s_sum, GP, BLOCK_D)
-    if MERGE and not WHOLE:
+    _store_partials(o_ptr, m_ptr, l_ptr, group * splits + chunk, rows, mask_g, offs_d, mask_d,
+                    acc, m, s_sum, GP, BLOCK_D)
+    if MERGE:
         if ok:
             tl.debug_barrier()  # as _split_kernel's
             if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == splits - 1:
@@ -421,21 +373,17 @@ def _operands(q, k, v, mask):
     return q, k, v, mask
 
 
-def _targets(q: torch.Tensor, groups: int, g: int, length: int, whole: bool):
+def _targets(q: torch.Tensor, groups: int, g: int, length: int):
     """The sizes and buffers of a split launch over ``groups`` sets of chunks (sequence x KV
     head, or x slot of the ids) for query groups of ``g`` heads over ``length`` keys: the
     padded rows and head size (``GP``, ``BLOCK_D``), the merge's rows (``GR``), ``chunking``'s
-    keys per chunk and chunks, the fp32 partials (output, maximum, sum) and the output.
-    ``whole``: one chunk, of the length rounded up to a power of two (which keys the tuning,
-    as ``L_BUCKET`` does, so a cache growing a position a step does not retune), and no
-    partials (one value each: the kernel never reads or writes them)."""
+    keys per chunk and chunks, the fp32 partials (output, maximum, sum) and the output."""
     b, h, _, d = q.shape
     gr = triton.next_power_of_2(g)
     gp, block_d = max(16, gr), max(16, triton.next_power_of_2(d))
-    chunk, splits = (triton.next_power_of_2(length), 1) if whole else chunking(groups, length)
-    parts = 0 if whole else groups * splits * gp
-    part_o = torch.empty(max(1, parts * block_d), device=q.device, dtype=torch.float32)
-    part_m = torch.empty(max(1, parts), device=q.device, dtype=torch.float32)
+    chunk, splits = chunking(groups, length)
+    part_o = torch.empty(groups * splits * gp * block_d, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(groups * splits * gp, device=q.device, dtype=torch.float32)
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     return gp, block_d, gr, chunk, splits, part_o, part_m, torch.empty_like(part_m), out
 
@@ -462,11 +410,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kvh, length = k.shape[1], k.shape[2]
     q, k, v, mask = _operands(q, k, v, mask)
     g = h // kvh
-    whole = length <= whole_max()
     gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * kvh, g,
-                                                                           length, whole)
+                                                                           length)
     block_s = merge_block(splits, gr, block_d)
-    merge = counters is not None and not whole
+    merge = counters is not None
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
         counters if merge else part_m, out,
@@ -475,9 +422,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
         out.stride(0), out.stride(1),
         HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, IEEE=_fp32_dots(k.dtype), MERGE=merge,
-        GR=gr, BLOCK_S=block_s, WHOLE=whole, **pdl_meta(),
+        GR=gr, BLOCK_S=block_s, **pdl_meta(),
     )
-    if merge or whole:
+    if merge:
         return out
     _combine_kernel[(b * kvh, triton.cdiv(g, COMBINE_ROWS))](
         part_o, part_m, part_l, out,
@@ -499,12 +446,9 @@ def _heads(q, k, v, scale, mask, counters, heads):
     q, k, v, mask = _operands(q, k, v, mask)
     ids = heads.reshape(-1, heads.shape[-1]).contiguous()
     s, stride_ids = ids.shape[1], 0 if ids.shape[0] == 1 else ids.stride(0)
-    whole = length <= whole_max()
-    gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * s, g, length,
-                                                                           whole)
-    merge = counters is not None and not whole
-    # merging or whole: the zeroes' slot is the split kernel's
-    slots = s + 1 if merge or whole else s
+    gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * s, g, length)
+    merge = counters is not None
+    slots = s + 1 if merge else s  # merging: the zeroes' slot is the split kernel's
     sizes = {"BLOCK_D": block_d, "BLOCK_IDS": triton.next_power_of_2(s),
              "BLOCK_HZ": ZERO_HEADS}
     _split_heads_kernel[(b * slots, splits)](
@@ -515,9 +459,9 @@ def _heads(q, k, v, scale, mask, counters, heads):
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
         stride_ids, out.stride(0), out.stride(1),
         HAS_MASK=mask is not None, GP=gp, IEEE=_fp32_dots(k.dtype), MERGE=merge, GR=gr,
-        BLOCK_S=merge_block(splits, gr, block_d), WHOLE=whole, **sizes, **pdl_meta(),
+        BLOCK_S=merge_block(splits, gr, block_d), **sizes, **pdl_meta(),
     )
-    if merge or whole:
+    if merge:
         return out
     _combine_heads_kernel[(b * (s + 1), triton.cdiv(g, COMBINE_ROWS))](
         part_o, part_m, part_l, ids, out,

@@ -571,26 +571,6 @@ def test_only_the_grid_modes_set_the_lazy_grid(monkeypatch):
         lazy_kv.default_grid()
 
 
-def test_only_the_whole_modes_attend_short_caches_whole(monkeypatch):
-    """``dejavu_captured_qkv_whole_pdl`` and ``dejavu_captured_ahead_whole_pdl`` are OPT-13B's
-    and Llama-3-8B's default steps run with ``DEJAVU_ATTN_WHOLE_MAX`` at
-    ``WHOLE_BENCH_MAX`` positions; every other mode with it unset (never), whatever the
-    environment said, which is restored afterwards."""
-    from dejavu_compile.kernels.decode_attention import WHOLE_BENCH_MAX, WHOLE_MAX_ENV, whole_max
-
-    pairs = {"dejavu_captured_qkv_whole_pdl": "dejavu_captured_qkv_pdl",
-             "dejavu_captured_ahead_whole_pdl": "dejavu_captured_ahead_ipdl_pdl"}
-    monkeypatch.setenv(WHOLE_MAX_ENV, "7")  # set outside: the mode says its own
-    for mode, default in pairs.items():
-        assert mode in bench.SPARSE_MODES
-        assert bench._DEJAVU_MODES[mode] == bench._DEJAVU_MODES[default]
-        with bench.kernel_switches(mode):
-            assert whole_max() == WHOLE_BENCH_MAX > 273  # the bench's OPT-13B cache
-        with bench.kernel_switches(default):
-            assert whole_max() == 0
-    assert os.environ[WHOLE_MAX_ENV] == "7"
-
-
 def test_only_the_early_modes_load_the_up_kernels_ids_before_the_wait(monkeypatch):
     """The modes named ``*_early_pdl`` run with ``DEJAVU_EARLY_IDS=1``, every other mode
     without it, whatever the environment said; the environment is restored."""
