@@ -11,6 +11,12 @@ the shipped file (``--ship JSON``, on any machine).
 
     python examples/tile_study.py --models opt-13b --kernel out --densities 0.8   # CUDA GPU
 
+``--check`` runs each candidate once instead, synchronised and named first, without timing:
+with ``CUDA_LAUNCH_BLOCKING=1`` the last tile printed is the one that faults. (The sixty-fourth
+session's study of ``cols`` stopped with an illegal memory access as the autotuner tried the
+candidates on Llama-3-8B's shape at head density 0.1, after OPT-13B's three densities had run;
+BENCHMARKS.md.)
+
 Kernels: ``up`` and ``down`` (the sparse MLP's two launches: the op is timed whole, the other
 kernel at its autotuned tile), ``q`` (the head-gathered query projection), ``out`` (the output
 projection, on its workspace) and ``cols`` (the output projection on the original layout,
@@ -107,6 +113,28 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
             "dense_ms": dense_ms, "chosen_ms": chosen, "rows": rows}, best
 
 
+@torch.no_grad()
+def check(model: str, kernel: str, density: float, dtype=torch.float16, case=None) -> int:
+    """Each candidate of ``kernel`` pinned in turn and run once on every layer's weights, the
+    GPU synchronised after it and its tile printed before it, with no timing: a candidate
+    that faults is the last one printed (run with ``CUDA_LAUNCH_BLOCKING=1``, so that the
+    fault is reported at its launch). For ``mlp``, the up kernel's candidates (the op runs
+    both kernels). Returns how many ran."""
+    name = KERNELS["up" if kernel == "mlp" else kernel]
+    op, _, _ = case or _case(bench.shape_configs()[model], "up" if kernel == "mlp" else kernel,
+                             density, dtype)
+    ran = 0
+    for config in list(tuning.autotuners()[name].configs):
+        print(f"{model} {name} density {density}: {tuning.config_data(config)}", flush=True)
+        with tuning.pinned(name, config):
+            for i in range(bench.LAYERS):
+                op(i)
+            torch.cuda.synchronize()
+        ran += 1
+    print(f"{model} {name} density {density}: all {ran} candidates ran", flush=True)
+    return ran
+
+
 def pairs(op, up_rows: list[dict], down_rows: list[dict], top: int) -> list[dict]:
     """The sparse MLP ``op`` timed with each of the ``top`` fastest up tiles of ``up_rows``
     beside each of the ``top`` fastest down tiles of ``down_rows`` (``study``'s rows), both
@@ -159,6 +187,9 @@ def main(argv=None):
                    help="with --kernel mlp: pair this many fastest tiles of each kernel")
     p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])
     p.add_argument("--json", help="write the rows and the fastest tile per key here")
+    p.add_argument("--check", action="store_true",
+                   help="only run each candidate once, synchronised, naming it first (no "
+                        "timing): with CUDA_LAUNCH_BLOCKING=1, the tile that faults")
     p.add_argument("--ship", metavar="JSON",
                    help="merge a study's --json into kernels/tuned/ for the GPU it names and "
                         "exit (no GPU needed): a key already shipped takes the study's tile")
@@ -191,6 +222,11 @@ def main(argv=None):
     bench.check_densities(args.densities)
     if args.pairs < 1:
         raise SystemExit(f"--pairs must be at least 1, got {args.pairs}")
+    if args.check:
+        for model in args.models:
+            for density in args.densities:
+                check(model, args.kernel, density)
+        return
     results, tuned = [], {}
     for model in args.models:
         for density in args.densities:

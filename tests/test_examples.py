@@ -292,6 +292,53 @@ def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch):
     assert ran == ["chosen", "dense"] + [(t.kwargs, len(rows.configs)) for t in tiles]
 
 
+def test_tile_study_check_runs_each_candidate_pinned_and_synchronised(monkeypatch, capsys):
+    """``--check``: each candidate of the kernel pinned in turn (the column kernel's here,
+    under the interpreter, matching the reference), run on every layer's weights and the GPU
+    synchronised before the next is named, so the last tile printed before a fault is the
+    faulting one; the kernel's candidates and choices are back afterwards."""
+    import types
+
+    import triton
+    from dejavu_compile.kernels import reference as ref
+    from dejavu_compile.kernels import tuning
+
+    from dejavu_compile import bench
+
+    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    gen = torch.Generator().manual_seed(4)
+    h, hd, d = 4, 8, 24
+    wo_t = [torch.randn(h * hd, d, generator=gen) for _ in range(bench.LAYERS)]
+    attn = torch.randn(1, 1, h * hd, generator=gen)
+    idx = torch.tensor([[[0, 2, 3]]])
+    monkeypatch.setattr(bench, "head_weights", lambda cfg, dtype: (
+        h, hd, None, attn, None, wo_t, [w.t().contiguous() for w in wo_t]))
+    monkeypatch.setattr(bench, "random_ids", lambda n, density: (3, idx))
+    op, _, _ = study._case(types.SimpleNamespace(hidden_size=d), "cols", 0.75, torch.float32)
+    cols = tuning.autotuners()[study.KERNELS["cols"]]
+    tiles = [triton.Config({"BLOCK_M": m, "UNROLL": u}, num_warps=1) for m, u in ((8, 1), (16, 2))]
+    monkeypatch.setattr(cols, "configs", list(tiles))
+    monkeypatch.setattr(cols, "cache", {("chosen",): tiles[1]})
+    events = []
+
+    def run(i):
+        events.append((cols.configs[0].kwargs["BLOCK_M"], i))
+        got = op(i)
+        torch.testing.assert_close(got, ref.sparse_head_out(attn, idx, wo_t[i], None, hd))
+        return got
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    ran = study.check("opt-13b", "cols", 0.75, case=(run, None, 0))
+    assert ran == 2
+    layers = list(range(bench.LAYERS))
+    assert events == [(8, i) for i in layers] + ["sync"] + [(16, i) for i in layers] + ["sync"]
+    printed = capsys.readouterr().out.splitlines()
+    assert [line for line in printed if "BLOCK_M" in line] == [
+        f"opt-13b {study.KERNELS['cols']} density 0.75: {tuning.config_data(t)}" for t in tiles]
+    assert printed[-1].endswith("all 2 candidates ran")
+    assert cols.configs == tiles and cols.cache == {("chosen",): tiles[1]}
+
+
 def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_path, capsys):
     """``--ship`` (no GPU): a study's tile for a key already shipped replaces that config, a
     new key is added, other kernels' and keys' entries and the file's ``about`` stay; a second
