@@ -5,6 +5,7 @@ run there with TRITON_INTERPRET=0."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
@@ -284,6 +285,48 @@ def test_head_out_on_the_original_layout(dtype, n_heads, head_dim, k, bias, batc
         torch.testing.assert_close(got, heads.sparse_head_out(attn, idx, wo.t().contiguous(), bo,
                                                               head_dim, union), **TOL[dtype])
     assert not workspace.any()
+
+
+def _guarded(shape, dtype, fill, guard=256):
+    """A tensor of ``shape`` inside a buffer with ``guard`` elements of ``fill`` on each side:
+    a kernel that reads past the tensor reads ``fill``, one that writes past it changes it.
+    Returns (buffer, tensor)."""
+    n = math.prod(shape)
+    buf = torch.full((n + 2 * guard,), fill, dtype=dtype, device=DEVICE)
+    return buf, buf[guard:guard + n].view(*shape)
+
+
+@pytest.mark.parametrize("block_m,unroll", [(8, 1), (8, 4), (16, 2), (64, 2)])
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_column_kernel_reads_and_writes_only_its_tensors(block_m, unroll, head_dim):
+    """The output projection's column kernel at several of its tiles (the autotuner's
+    candidates, beyond the one the interpreter runs), with fewer selected heads than a loop
+    step takes and a last block of rows cut short: every tensor sits between NaN guards (the
+    ids between guards of an id no head has), and the output matches the reference with its
+    guards intact, so no load or store strays. On an H100 the study of this kernel's tiles
+    once stopped with an illegal memory access (BENCHMARKS.md, sixty-fourth session)."""
+    import triton
+
+    n_heads, k, d = 5, 3, 29
+    g = torch.Generator().manual_seed(7)
+    _, wo = _guarded((d, n_heads * head_dim), torch.float32, float("nan"))
+    wo.copy_(torch.randn(d, n_heads * head_dim, generator=g))
+    _, attn = _guarded((1, n_heads * head_dim), torch.float32, float("nan"))
+    attn.copy_(torch.randn(1, n_heads * head_dim, generator=g))
+    _, ids = _guarded((1, k), torch.int64, 10**12)
+    ids.copy_(torch.tensor([[4, 0, 2]]))
+    out_buf, out = _guarded((1, d), torch.float32, float("nan"))
+    block_h = triton.next_power_of_2(head_dim)
+    wt = wo.t()
+    heads._head_out_cols_kernel.fn[(1, triton.cdiv(d, block_m))](
+        attn, ids, wt, wt, out, d, k, head_dim, attn.stride(0), ids.stride(0), wt.stride(1),
+        out.stride(0), HAS_B=False, BLOCK_M=block_m, BLOCK_H=block_h, UNROLL=unroll,
+        EXACT=block_h == head_dim, PDL=False, num_warps=1)
+    want = _ref64(ref.sparse_head_out, attn.view(1, 1, -1), ids.view(1, 1, k), wt, None,
+                  head_dim).view(1, d)
+    torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
+    guard = out_buf.numel() - out.numel()
+    assert out_buf[: guard // 2].isnan().all() and out_buf[-(guard // 2):].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
