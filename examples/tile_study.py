@@ -120,9 +120,9 @@ def check(model: str, kernel: str, density: float, dtype=torch.float16, case=Non
     that faults is the last one printed (run with ``CUDA_LAUNCH_BLOCKING=1``, so that the
     fault is reported at its launch). For ``mlp``, the up kernel's candidates (the op runs
     both kernels). Returns how many ran."""
-    name = KERNELS["up" if kernel == "mlp" else kernel]
-    op, _, _ = case or _case(bench.shape_configs()[model], "up" if kernel == "mlp" else kernel,
-                             density, dtype)
+    studied = "up" if kernel == "mlp" else kernel
+    name = KERNELS[studied]
+    op, _, _ = case or _case(bench.shape_configs()[model], studied, density, dtype)
     ran = 0
     for config in list(tuning.autotuners()[name].configs):
         print(f"{model} {name} density {density}: {tuning.config_data(config)}", flush=True)
