@@ -50,6 +50,21 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> str:
             f"the first {steps[:8]}")
 
 
+def _replayed(model, options: dict, tokens: torch.Tensor, steps: int, after_warm_up=None
+              ) -> torch.Tensor:
+    """The teacher-forced logits of ``model``'s step compiled anew with ``options`` and
+    replayed through ``CapturedStep``, after one warm-up run of the compiled step (the first
+    call re-lays out the weights in place, so its run reads other layouts than every later
+    one). ``after_warm_up``, if given, is called between the two (to clear what a spy
+    recorded in the warm-up)."""
+    torch._dynamo.reset()
+    fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
+    _teacher_forced_logits(model, fwd, tokens, steps)  # warm-up: the in-place re-layout
+    if after_warm_up is not None:
+        after_warm_up()
+    return _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens, steps)
+
+
 def test_lookahead_side_stream_has_no_race(tmp_path, monkeypatch):
     from dejavu_compile.kernels import lookahead
 
@@ -436,14 +451,9 @@ def test_fused_query_matches_the_lazy_step():
     runs = {}
     with deterministic_algorithms():
         for fuse in (False, True):
-            torch._dynamo.reset()
-            fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                                options={"selector": "fixed", "mlp_density": 0.25,
-                                         "attention_density": 0.5, "lazy_kv": True,
-                                         "fuse_qkv": fuse, "cudagraphs": False})
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[fuse] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                                tokens, 24)
+            runs[fuse] = _replayed(model, {"selector": "fixed", "mlp_density": 0.25,
+                                           "attention_density": 0.5, "lazy_kv": True,
+                                           "fuse_qkv": fuse, "cudagraphs": False}, tokens, 24)
             counters = dejavu_compile.report(model).counters  # this model's graphs so far
             assert (counters.get("fuse_qkv", 0) >= 5) if fuse else "fuse_qkv" not in counters
     want = runs[False]
@@ -463,15 +473,10 @@ def test_selected_heads_attention_matches_every_head(merge):
                            generator=torch.Generator("cuda").manual_seed(7))
     runs = {}
     for selected in (False, True):
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={"selector": "fixed", "mlp_density": 0.25,
-                                     "attention_density": 0.5, "lazy_kv": True,
-                                     "cudagraphs": False, "merge_attention": merge,
-                                     "decode_selected_heads": selected})
-        _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-        runs[selected] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
-                                                24)
+        runs[selected] = _replayed(model, {"selector": "fixed", "mlp_density": 0.25,
+                                           "attention_density": 0.5, "lazy_kv": True,
+                                           "cudagraphs": False, "merge_attention": merge,
+                                           "decode_selected_heads": selected}, tokens, 24)
     counters = dejavu_compile.report(model).counters  # both runs' graphs
     assert counters.get("decode_selected_heads", 0) >= 5, counters
     want = runs[False]
@@ -548,13 +553,9 @@ def test_programmatic_launch_in_the_captured_lazy_step():
                "lazy_kv": True, "fuse_qkv": False, "cudagraphs": False}
     runs = {}
     for mode in ("dejavu_captured_lazy", "dejavu_captured_lazy_pdl"):
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         with kernel_switches(mode):
             assert programmatic() == mode.endswith("_pdl")
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd),
-                                                tokens, 24)
+            runs[mode] = _replayed(model, options, tokens, 24)
     assert dejavu_compile.report(model).counters.get("lazy_kv", 0) >= 5
     want = runs["dejavu_captured_lazy"]
     torch.testing.assert_close(runs["dejavu_captured_lazy_pdl"], want,
@@ -774,13 +775,9 @@ def test_early_ids_in_the_captured_lookahead_step(tmp_path, monkeypatch, arch):
                            generator=torch.Generator("cuda").manual_seed(8))
     runs = {}
     for mode in ("dejavu_captured_qkv_pdl", "dejavu_captured_qkv_early_pdl"):
-        torch._dynamo.reset()
         early.clear()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True, options=options)
         with kernel_switches(mode):
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[mode] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
-                                                24)
+            runs[mode] = _replayed(model, options, tokens, 24)
         assert set(early) == {mode.endswith("_early_pdl")}, (mode, early)
     assert dejavu_compile.report(model).counters.get("lookahead[mlp]", 0) > 0
     want = runs["dejavu_captured_qkv_pdl"]
@@ -834,13 +831,8 @@ def test_fused_norms_in_the_captured_opt_step(tmp_path, monkeypatch):
         after the warm-up (the first warm-up's in-place re-layout reads the output
         projections' strided views as they are, so with the column kernel, once: relayout
         "in_place")."""
-        torch._dynamo.reset()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={**options, **extra})
         with kernel_switches(mode):
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            normed.clear()
-            return _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens, 24)
+            return _replayed(model, {**options, **extra}, tokens, 24, after_warm_up=normed.clear)
 
     # the mode, and whether the down and the output projection's kernels finish the norm
     for mode, fuse, in_kernel in (("dejavu_captured_qkv_pdl", False, (False, False)),
@@ -896,15 +888,10 @@ def test_fused_rms_norms_in_the_captured_llama_step(tmp_path, monkeypatch):
                            generator=torch.Generator("cuda").manual_seed(8))
     runs = {}
     for fuse in (False, True):
-        torch._dynamo.reset()
         launched.clear()
-        fwd = torch.compile(model.forward, backend="dejavu", fullgraph=True,
-                            options={"profile": profile, "cudagraphs": False,
-                                     "fuse_rms_norm": fuse})
         with kernel_switches("dejavu_captured_ahead_rms_pdl"):
-            _teacher_forced_logits(model, fwd, tokens, 24)  # warm-up: the in-place re-layout
-            runs[fuse] = _teacher_forced_logits(model, dejavu_compile.CapturedStep(fwd), tokens,
-                                                24)
+            runs[fuse] = _replayed(model, {"profile": profile, "cudagraphs": False,
+                                           "fuse_rms_norm": fuse}, tokens, 24)
         assert set(launched) == ({(True, True)} if fuse else set()), launched
         counters = dejavu_compile.report(model).counters
         assert counters.get("fuse_norm_rms", 0) > 0 or not fuse
