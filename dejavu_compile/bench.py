@@ -82,16 +82,29 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def graph_bench(fn, **kwargs):
+    """``triton.testing.do_bench_cudagraph(fn, **kwargs)`` once the GPU has finished the work
+    already queued. That function runs ``fn`` on a new stream that waits for no other, so
+    without the wait its first calls (the autotuner's trials among them) can run before the
+    current stream has written their inputs. The likely cause of the illegal memory access in
+    ``examples/tile_study.py --kernel cols`` (at Llama-3-8B's first key after OPT-13B's, in
+    each of three runs, never with ``CUDA_LAUNCH_BLOCKING=1``): its head ids not yet written,
+    in memory that OPT-13B's study had used (BENCHMARKS.md, sixty-sixth session)."""
+    import triton.testing
+
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, **kwargs)
+
+
 def _time_layers(fn, layers: int) -> tuple[float, float, float]:
     """Median and 20/80 percentiles (ms) of one call of ``fn(i)``, run for each of ``layers``
-    weight sets inside one CUDA graph."""
-    import triton.testing
+    weight sets inside one CUDA graph (``graph_bench``)."""
 
     def body():
         for i in range(layers):
             fn(i)
 
-    q = triton.testing.do_bench_cudagraph(body, rep=200, quantiles=[0.5, 0.2, 0.8])
+    q = graph_bench(body, rep=200, quantiles=[0.5, 0.2, 0.8])
     return tuple(t / layers for t in q)
 
 

@@ -35,7 +35,7 @@ def selected_count(heads: int, fraction: float) -> int:
 
 
 def main(contexts: list[int], shape: str = "llama", fraction: float | None = None) -> None:
-    from triton.testing import do_bench_cudagraph as do_bench
+    from dejavu_compile.bench import graph_bench as do_bench
 
     heads, kv_heads, hd = SHAPES[shape]
     k_sel = None if fraction is None else selected_count(heads, fraction)

@@ -21,8 +21,9 @@ import itertools
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 from dejavu_compile.kernels import sparse_mlp as sm
+
+from dejavu_compile.bench import graph_bench
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def bench(fn):
     def body():
         for i in range(LAYERS):
             fn(i)
-    return triton.testing.do_bench_cudagraph(body, rep=100) / LAYERS
+    return graph_bench(body, rep=100) / LAYERS
 
 
 

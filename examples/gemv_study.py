@@ -1,6 +1,6 @@
 """``dejavu::gemv`` (kernels/dense.py) against cuBLAS ``F.linear`` on a GPU: one row, fp16, at
 the dense projection shapes of the end-to-end models, each call replayed in a CUDA graph
-(``triton.testing.do_bench_cudagraph``).
+(``bench.graph_bench``).
 
 Replaying one matrix leaves part of it in L2 between replays (50 MB on an H200), so matrices
 below that size read faster than from memory: the end-to-end profile (``dejavu bench
@@ -24,11 +24,10 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-import triton
 from dejavu_compile.kernels import dense
 from dejavu_compile.kernels.triton_common import PDL_ENV, programmatic
 
-from dejavu_compile.bench import copy_bandwidth, shape_configs
+from dejavu_compile.bench import copy_bandwidth, graph_bench, shape_configs
 
 
 def shapes() -> dict[str, tuple[int, int]]:
@@ -90,8 +89,7 @@ def chain_study(layers: int) -> None:
             os.environ[PDL_ENV] = pdl
             got = run_chain(x, weights, proj).float()  # autotunes outside the graph
             err = ((got - want).abs().max() / want.abs().max()).item()
-            ms = triton.testing.do_bench_cudagraph(lambda p=proj: run_chain(x, weights, p),
-                                                   rep=200)
+            ms = graph_bench(lambda p=proj: run_chain(x, weights, p), rep=200)
             print(f"{name:20s} {ms * 1e3 / layers:7.1f} us a layer "
                   f"({gb / ms / 1e-3 / bw * 100:4.0f}% of copy; programmatic "
                   f"{proj is dense.gemv and programmatic()})  max err {err:.1e} of the largest")
@@ -114,8 +112,8 @@ def main() -> None:
         w = torch.randn(n, d, device="cuda", dtype=torch.float16) / d ** 0.5
         b = torch.randn(n, device="cuda", dtype=torch.float16) if name.startswith("opt") else None
         err = (dense.gemv(x, w, b).float() - F.linear(x, w, b).float()).abs().max().item()
-        t_k = triton.testing.do_bench_cudagraph(lambda x=x, w=w, b=b: dense.gemv(x, w, b), rep=200)
-        t_c = triton.testing.do_bench_cudagraph(lambda x=x, w=w, b=b: F.linear(x, w, b), rep=200)
+        t_k = graph_bench(lambda x=x, w=w, b=b: dense.gemv(x, w, b), rep=200)
+        t_c = graph_bench(lambda x=x, w=w, b=b: F.linear(x, w, b), rep=200)
         gb = n * d * 2 / 1e9
         print(f"{name:14s} {n}x{d}: gemv {t_k * 1e3:7.1f} us ({gb / t_k / 1e-3 / bw * 100:4.0f}% "
               f"of copy)  cuBLAS {t_c * 1e3:7.1f} us ({gb / t_c / 1e-3 / bw * 100:4.0f}%)  "

@@ -58,7 +58,7 @@ with ``--missing 0`` and 29.7 with ``--missing 0.5`` in the next run, where each
 alone moved by at most 1.0 us between the two: another tile chosen, BENCHMARKS.md).
 
 Each variant runs over ``--layers`` copies of the weights in turn (a CUDA graph of repeated
-calls, ``triton.testing.do_bench_cudagraph``), so the weights stream from memory as in a step
+calls, ``bench.graph_bench``), so the weights stream from memory as in a step
 rather than staying in L2. Prints us a layer in each of ``--passes`` passes over the variants
 and TB/s on the bytes of the selected rows at the fastest.
 In the twentieth session's OPT-13B step the query and output projections, the up kernel and
@@ -75,10 +75,10 @@ import os
 from unittest import mock
 
 import torch
-import triton
 from dejavu_compile.kernels import dense, heads, kv_state, lazy_kv, predictor, tuning
 from dejavu_compile.kernels.triton_common import STORE_ROWS_ENV
 
+from dejavu_compile.bench import graph_bench
 from dejavu_compile.profile import default_buckets, kept_units
 
 D, H, HD, L, POS = 5120, 40, 128, 256, 200
@@ -309,7 +309,7 @@ def main() -> None:
                     fn(lay)
                     if beside:
                         main_stream.wait_stream(side)
-            ms = triton.testing.do_bench_cudagraph(step, rep=200, return_mode="median")
+            ms = graph_bench(step, rep=200, return_mode="median")
             times[name].append(ms * 1e3 / len(layers))
     print(f"OPT-13B attention, {k} of {H} heads, {len(layers)} layers of weights in turn, "
           f"us a layer in each of {args.passes} passes:")

@@ -1066,3 +1066,38 @@ def test_the_end_to_end_prompt_is_checked_passed_to_each_child_and_reported(monk
     text = bench.markdown(result, "dejavu bench --isolate 1", "abc1234", "2026-12-05")
     assert "(fp16, batch 1, 128-token prompt, 128 new tokens" in text
     assert "static K/V cache" not in text
+
+
+def test_graph_bench_waits_for_the_queued_work_first(monkeypatch):
+    """``bench.graph_bench`` synchronises before ``triton.testing.do_bench_cudagraph``, which
+    runs its function on a new stream that waits for no other, and passes its arguments and
+    result through; ``_time_layers`` times through it."""
+    import triton.testing
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("synchronize"))
+
+    def do_bench_cudagraph(fn, **kwargs):
+        calls.append(("bench", kwargs))
+        fn()
+        return [8.0, 4.0, 16.0] if "quantiles" in kwargs else 3.0
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", do_bench_cudagraph)
+    ran = []
+    assert bench.graph_bench(lambda: ran.append(1), rep=7, return_mode="median") == 3.0
+    assert calls == ["synchronize", ("bench", {"rep": 7, "return_mode": "median"})]
+    assert ran == [1]
+    calls.clear()
+    assert bench._time_layers(ran.append, 4) == (2.0, 1.0, 4.0)  # a layer's share
+    assert calls[0] == "synchronize" and calls[1][0] == "bench"
+    assert ran == [1, 0, 1, 2, 3]
+
+
+def test_only_graph_bench_calls_do_bench_cudagraph():
+    """Every CUDA-graph timing in the package and its examples goes through
+    ``bench.graph_bench``: a direct ``do_bench_cudagraph`` call would time from a stream that
+    does not wait for its inputs."""
+    direct = [str(p.relative_to(ROOT)) for d in ("dejavu_compile", "kernels", "passes", "examples")
+              for p in sorted((ROOT / d).rglob("*.py"))
+              if "do_bench_cudagraph" in p.read_text() and p.name != "bench.py"]
+    assert direct == []

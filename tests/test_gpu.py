@@ -921,3 +921,26 @@ def test_each_family_matches_the_masked_reference_on_the_gpu(tiny, arch):
     assert not torch.allclose(got, dense, atol=1e-3), "sparsity had no effect"
     assert counters.get("dense_gemv", 0) > 0 and counters.get("decode_attention", 0) > 0, \
         counters
+
+
+def test_graph_bench_reads_what_the_current_stream_wrote_last():
+    """``bench.graph_bench``'s first call of its function sees a value the current stream
+    writes after a long kernel (``torch.cuda._sleep``), as a study's inputs are made just
+    before it times them: ``triton.testing.do_bench_cudagraph`` alone runs the function on a
+    new stream that would read the value before that write."""
+    ids = torch.zeros(1, dtype=torch.int64, device="cuda")
+    seen = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    first = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # on the order of 0.1 s of GPU cycles
+    ids.fill_(7)
+    calls = []
+
+    def fn():
+        seen.copy_(ids)
+        if not calls:  # the warm-up call, before any capture
+            first.copy_(seen)
+        calls.append(1)
+
+    bench.graph_bench(fn, rep=5)
+    assert first.item() == 7 and seen.item() == 7
