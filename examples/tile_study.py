@@ -12,10 +12,12 @@ the shipped file (``--ship JSON``, on any machine).
     python examples/tile_study.py --models opt-13b --kernel out --densities 0.8   # CUDA GPU
 
 ``--check`` runs each candidate once instead, synchronised and named first, without timing:
-with ``CUDA_LAUNCH_BLOCKING=1`` the last tile printed is the one that faults. (The sixty-fourth
-session's study of ``cols`` stopped with an illegal memory access as the autotuner tried the
-candidates on Llama-3-8B's shape at head density 0.1, after OPT-13B's three densities had run;
-BENCHMARKS.md.)
+with ``CUDA_LAUNCH_BLOCKING=1`` the last tile printed is the one that faults. (The study of
+``cols`` stopped with an illegal memory access as the autotuner tried the candidates on
+Llama-3-8B's shape at head density 0.1, after OPT-13B's three densities, in three runs in the
+sixty-fourth and sixty-sixth sessions; never with ``CUDA_LAUNCH_BLOCKING=1``. Its timings then
+began on a stream that did not wait for the inputs; they now go through ``bench.graph_bench``,
+which waits. BENCHMARKS.md.)
 
 Kernels: ``up`` and ``down`` (the sparse MLP's two launches: the op is timed whole, the other
 kernel at its autotuned tile), ``q`` (the head-gathered query projection), ``out`` (the output
