@@ -303,8 +303,9 @@ def test_column_kernel_reads_and_writes_only_its_tensors(block_m, unroll, head_d
     candidates, beyond the one the interpreter runs), with fewer selected heads than a loop
     step takes and a last block of rows cut short: every tensor sits between NaN guards (the
     ids between guards of an id no head has), and the output matches the reference with its
-    guards intact, so no load or store strays. On an H100 the study of this kernel's tiles
-    once stopped with an illegal memory access (BENCHMARKS.md, sixty-fourth session)."""
+    guards intact, so no load or store strays. The study of this kernel's tiles stopped with
+    an illegal memory access in three runs (BENCHMARKS.md, sixty-fourth and sixty-sixth
+    sessions), likely from its timings' stream not waiting for the ids (``bench.graph_bench``)."""
     import triton
 
     n_heads, k, d = 5, 3, 29
