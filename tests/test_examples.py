@@ -891,6 +891,20 @@ def test_pdl_probe_refuses_bad_arguments_and_a_machine_without_hopper():
         probe.main(["--trials", "1"])
 
 
+def _mlp_case(gated: bool, seed: int):
+    """A sparse MLP of odd sizes (37 units, d 45, d_out 29) and one row's 11 ids, unsorted:
+    (x, ids, w1, b1, w_up, w2_t, act), ReLU with biases or SiLU-gated."""
+    gen = torch.Generator().manual_seed(seed)
+    n, d, d_out = 37, 45, 29
+    w1 = torch.randn(n, d, generator=gen)
+    w_up = torch.randn(n, d, generator=gen) if gated else None
+    w2_t = torch.randn(n, d_out, generator=gen)
+    b1 = None if gated else torch.randn(n, generator=gen)
+    x = torch.randn(1, d, generator=gen)
+    ids = torch.tensor([[0, 3, 4, 10, 17, 22, 30, 36, 9, 12, 25]])
+    return x, ids, w1, b1, w_up, w2_t, "silu" if gated else "relu"
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
 def test_onepass_mlp_study_kernel_is_the_sparse_mlp(gated):
     """``examples/onepass_mlp_study.py``'s one-launch MLP (the Triton kernel, under the
@@ -899,18 +913,37 @@ def test_onepass_mlp_study_kernel_is_the_sparse_mlp(gated):
     from dejavu_compile.kernels import reference
 
     study = load_example(Path(__file__).parents[1] / "examples" / "onepass_mlp_study.py")
-    gen = torch.Generator().manual_seed(1)
-    n, d, d_out = 37, 45, 29
-    w1 = torch.randn(n, d, generator=gen)
-    w_up = torch.randn(n, d, generator=gen) if gated else None
-    w2_t = torch.randn(n, d_out, generator=gen)
-    b1 = None if gated else torch.randn(n, generator=gen)
-    x = torch.randn(1, d, generator=gen)
-    ids = torch.tensor([[0, 3, 4, 10, 17, 22, 30, 36, 9, 12, 25]])
-    act = "silu" if gated else "relu"
-    sums = torch.zeros(1, d_out)
+    x, ids, w1, b1, w_up, w2_t, act = _mlp_case(gated, 1)
+    sums = torch.zeros(1, w2_t.shape[1])
     got = study.onepass_sums(x, ids, w1, b1, w_up, w2_t, act, sums, block_n=4, block_d=16,
                              block_o=16, num_warps=1)
     assert got is sums
     want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, None, act)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
+def test_persistent_mlp_study_kernel_is_the_sparse_mlp(gated):
+    """``examples/onepass_mlp_study.py``'s persistent MLP (under the interpreter its two phases
+    run as two launches) adds into zeroed sums the reference sparse MLP's output less its bias,
+    on odd sizes, with fewer programs than items in both phases and tiles cut short by the
+    selection's end; its scratch (pre-activations and the barrier's counters) is left zero,
+    so a second call gives the same sums."""
+    from dejavu_compile.kernels import reference
+
+    study = load_example(Path(__file__).parents[1] / "examples" / "onepass_mlp_study.py")
+    x, ids, w1, b1, w_up, w2_t, act = _mlp_case(gated, 2)
+    want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, None, act)
+    pre = torch.zeros(2, ids.shape[1])
+    bar = torch.zeros(2, dtype=torch.int32)
+    for _ in range(2):
+        sums = torch.zeros(1, w2_t.shape[1])
+        # up items: 3 neuron tiles x 3 slices of d; down items: 2 neuron blocks x 2 output slices
+        got = study.persistent_sums(x, ids, w1, b1, w_up, w2_t, act, sums, pre, bar, 3,
+                                    block_n=4, block_d=16, block_m=4, block_o=16, tiles=2,
+                                    num_warps=1)
+        assert got is sums
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert not pre.any() and not bar.any()
+    with pytest.raises(ValueError, match="bar int32"):
+        study.persistent_sums(x, ids, w1, b1, w_up, w2_t, act, sums, pre, bar.float(), 3)
