@@ -13,20 +13,34 @@ the sums unfinished, as the step's down kernel does for the add-norm launch that
 
 - ``op``: ``sparse_mlp.sparse_mlp`` on a workspace with the layer norm (the step's form: up
   kernel, down kernel, ``add_norm_sums``), autotuned;
-- ``onepass``: ``_onepass_kernel`` then ``add_norm_sums``, over a grid of tiles.
+- ``onepass``: ``_onepass_kernel`` then ``add_norm_sums``, over a grid of tiles;
+- ``persistent``: ``_persistent_kernel`` then ``add_norm_sums``. The op's two kernels in one
+  launch of a grid that the GPU holds at once (one or two programs a multiprocessor): the
+  programs share out the up kernel's tiles, meet at a barrier (a counter each adds itself
+  into and waits on), and share out the down kernel's tiles. Each program loads its first
+  down tile (weights and ids, which the first phase does not write) before it waits, so the
+  barrier's wait overlaps a load, as the op's down kernel loads its first tile before its
+  programmatic wait. One ramp and one tail, and the tiles of both kernels as the op's.
 
-Both read 8 layers' weights in turn (more than the L2 holds) in one CUDA graph. Prints each
-form's time with GB/s on the weight bytes read, and its largest error against the op's
-output. About a minute per shape (compiling each config):
+All forms read 8 layers' weights in turn (more than the L2 holds) in one CUDA graph. Prints
+each form's time with GB/s on the weight bytes read, and its largest error against the op's
+output. About a minute per shape and form (compiling each config):
 
-    python examples/onepass_mlp_study.py            # needs a CUDA GPU
+    python examples/onepass_mlp_study.py                     # needs a CUDA GPU
+    python examples/onepass_mlp_study.py --shape opt --form persistent
 
 Measured on an H100 (fifty-sixth session, BENCHMARKS.md): the one launch is slower on both
 shapes, at its best tile 29.7 against the op's 24.6 us on OPT-13B's (42.6 MB) and 72.5
 against 67.1 on Llama-3-8B's (176 MB), so the package keeps its two kernels. Why was not
 measured. Unlike the op's, each program here reads its rows over all of d in one loop, the
 grid has fewer programs than either of the op's, and every program adds into every output
-with atomics.
+with atomics. The persistent form is slower too, on an H100 (sixty-ninth session; OPT-13B's
+shape only): 28.8 us at its best config (up tiles 16 x 256; down 8 x 512 in loops of 8, 4
+warps, 4 programs a multiprocessor) against the op's 23.7 and 24.6 us timed before and after
+it, and 29.6 us at best with the op's own tiles (2 programs a multiprocessor). Fewer programs
+were slower (1 a multiprocessor: 37.7-44.5 us); 3 or more of the op's 32 x 512 down tile do
+not fit at once (registers), which ``resident_programs`` reports instead of launching a
+barrier that would never open. Not run on Llama-3-8B's shape or on an H200.
 """
 import argparse
 import itertools
@@ -258,11 +272,15 @@ CONFIGS = [c for c in itertools.product((8, 16, 32), (256, 512), (512, 1024), (4
            if c[0] * max(c[1], c[2]) <= 16384]
 # the persistent form: (up item BLOCK_N x BLOCK_D, down item BLOCK_M x BLOCK_O x TILES, warps,
 # programs per multiprocessor): the shipped up and down tiles of OPT-13B at MLP density 0.1
-# on an H200 (16 x 256; 32 x 512 x 4) and their neighbours, 18 configs
+# on an H200 (16 x 256; 32 x 512 x 4) and their neighbours, 18 configs, then smaller down tiles
+# at 3-6 programs a multiprocessor, the fastest on an H100 (sixty-ninth session, 16 x 256 with
+# 8 x 512 x 8 at 4 a multiprocessor: 28.8 us against the op's 23.7)
 PERSISTENT = [(n, d, m, o, t, w, per)
               for n, d in ((16, 256), (32, 256))
               for m, o, t in ((32, 512, 4), (16, 512, 4), (32, 256, 4))
-              for w, per in ((4, 1), (4, 2), (8, 1))]
+              for w, per in ((4, 1), (4, 2), (8, 1))] + [
+    (16, 256, 8, 512, 8, 4, 4), (16, 256, 16, 256, 8, 4, 4), (16, 256, 16, 256, 8, 4, 6),
+    (16, 128, 16, 256, 8, 4, 4), (16, 256, 16, 256, 4, 4, 3), (16, 256, 16, 256, 8, 8, 2)]
 FORMS = ("onepass", "persistent")
 
 
