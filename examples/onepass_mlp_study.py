@@ -15,12 +15,12 @@ the sums unfinished, as the step's down kernel does for the add-norm launch that
   kernel, down kernel, ``add_norm_sums``), autotuned;
 - ``onepass``: ``_onepass_kernel`` then ``add_norm_sums``, over a grid of tiles;
 - ``persistent``: ``_persistent_kernel`` then ``add_norm_sums``. The op's two kernels in one
-  launch of a grid that the GPU holds at once (one or two programs a multiprocessor): the
+  launch of a grid that the GPU holds at once (1-6 programs a multiprocessor): the
   programs share out the up kernel's tiles, meet at a barrier (a counter each adds itself
   into and waits on), and share out the down kernel's tiles. Each program loads its first
   down tile (weights and ids, which the first phase does not write) before it waits, so the
   barrier's wait overlaps a load, as the op's down kernel loads its first tile before its
-  programmatic wait. One ramp and one tail, and the tiles of both kernels as the op's.
+  programmatic wait. One ramp and one tail for the tiles of both kernels.
 
 All forms read 8 layers' weights in turn (more than the L2 holds) in one CUDA graph. Prints
 each form's time with GB/s on the weight bytes read, and its largest error against the op's
@@ -37,8 +37,8 @@ grid has fewer programs than either of the op's, and every program adds into eve
 with atomics. The persistent form is slower too, on an H100 (sixty-ninth session; OPT-13B's
 shape only): 28.8 us at its best config (up tiles 16 x 256; down 8 x 512 in loops of 8, 4
 warps, 4 programs a multiprocessor) against the op's 23.7 and 24.6 us timed before and after
-it, and 29.6 us at best with the op's own tiles (2 programs a multiprocessor). Fewer programs
-were slower (1 a multiprocessor: 37.7-44.5 us); 3 or more of the op's 32 x 512 down tile do
+it, and 29.6 us with the op's down tile (2 programs a multiprocessor). Fewer programs were
+slower (1 a multiprocessor: 37.7 us and more); 3 or more of the op's 32 x 512 down tile do
 not fit at once (registers), which ``resident_programs`` reports instead of launching a
 barrier that would never open. Not run on Llama-3-8B's shape or on an H200.
 """
