@@ -273,7 +273,7 @@ CONFIGS = [c for c in itertools.product((8, 16, 32), (256, 512), (512, 1024), (4
 # the persistent form: (up item BLOCK_N x BLOCK_D, down item BLOCK_M x BLOCK_O x TILES, warps,
 # programs per multiprocessor): the shipped up and down tiles of OPT-13B at MLP density 0.1
 # on an H200 (16 x 256; 32 x 512 x 4) and their neighbours, 18 configs, then smaller down tiles
-# at 3-6 programs a multiprocessor, the fastest on an H100 (sixty-ninth session, 16 x 256 with
+# at 2-6 programs a multiprocessor, the fastest on an H100 (sixty-ninth session, 16 x 256 with
 # 8 x 512 x 8 at 4 a multiprocessor: 28.8 us against the op's 23.7)
 PERSISTENT = [(n, d, m, o, t, w, per)
               for n, d in ((16, 256), (32, 256))
