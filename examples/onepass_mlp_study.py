@@ -313,6 +313,17 @@ def study(shape: str, configs=CONFIGS, forms=FORMS, persistent=PERSISTENT) -> No
     print(f"== {shape}: k={k} of {n}, d={d}, {gb * 1e3:.1f} MB of weights", flush=True)
     print(_line(bench(op), gb, "op (up, down, add_norm_sums)"), flush=True)
     rows = []
+
+    def timed(what, fn):
+        """Time the form ``fn`` beside the op, with its largest error against the op's output."""
+        try:
+            got = fn(0)[1].float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            rows.append((bench(fn), what, f"err {err:.1e}"))
+        except Exception as exc:  # a config the compiler refuses (shared memory, registers),
+            # or a persistent grid larger than the GPU holds at once
+            print(f"   {what}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+
     for bn, bd, bo, warps, stages in configs if "onepass" in forms else ():
         cfg = dict(block_n=bn, block_d=bd, block_o=bo, num_warps=warps, num_stages=stages)
 
@@ -320,33 +331,20 @@ def study(shape: str, configs=CONFIGS, forms=FORMS, persistent=PERSISTENT) -> No
             onepass_sums(x, ids, w1s[i], b1, wus[i] if gated else None, w2s[i], act, sums, **cfg)
             return tc.add_norm_sums(sums, b2, *norm[:4], rms=gated, clean=True)
 
-        try:
-            got = onepass(0)[1].float()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            rows.append((bench(onepass), f"onepass bn{bn} bd{bd} bo{bo} w{warps} s{stages}",
-                         f"err {err:.1e}"))
-        except Exception as exc:  # a config the compiler refuses (shared memory, registers)
-            print(f"   onepass bn{bn} bd{bd} bo{bo} w{warps} s{stages}: {type(exc).__name__}",
-                  flush=True)
+        timed(f"onepass bn{bn} bd{bd} bo{bo} w{warps} s{stages}", onepass)
     pre = torch.zeros(2, k, device=dev)
     bar = torch.zeros(2, device=dev, dtype=torch.int32)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for bn, bd, bm, bo, tiles, warps, per in persistent if "persistent" in forms else ():
         cfg = dict(block_n=bn, block_d=bd, block_m=bm, block_o=bo, tiles=tiles,
                    num_warps=warps)
-        what = f"persistent up {bn}x{bd} down {bm}x{bo}x{tiles} w{warps} {per}/SM"
 
         def persist(i, cfg=cfg, programs=per * sms):
             persistent_sums(x, ids, w1s[i], b1, wus[i] if gated else None, w2s[i], act, sums,
                             pre, bar, programs, **cfg)
             return tc.add_norm_sums(sums, b2, *norm[:4], rms=gated, clean=True)
 
-        try:
-            got = persist(0)[1].float()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            rows.append((bench(persist), what, f"err {err:.1e}"))
-        except Exception as exc:  # a config the compiler refuses, or more than the GPU holds
-            print(f"   {what}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        timed(f"persistent up {bn}x{bd} down {bm}x{bo}x{tiles} w{warps} {per}/SM", persist)
     rows.sort()
     for q, what, extra in rows[:12]:
         print(_line(q, gb, what, extra), flush=True)
