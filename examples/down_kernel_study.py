@@ -12,7 +12,8 @@ bytes read. About 3 minutes per shape on an H200 (compiling each config):
 ``--flags`` times the package's own ``_down_kernel`` on the Llama-3-8B down projection at
 density 0.5 (``--shape opt``: OPT-13B's at 0.1) as the decode step runs it (gated with SiLU,
 or ReLU with biases; finishing its output, leaving its workspace zero) against plainer forms,
-over a grid of fixed configs, and the whole op (up and down kernels) against its up kernel:
+over a grid of fixed configs, each with and without ``AHEAD`` (the next tile's loads issued
+before this tile's products), and the whole op (up and down kernels) against its up kernel:
 what the step's extra work costs, and whether the autotuned tile is the best one for it.
 """
 import argparse
@@ -125,7 +126,8 @@ def study(name: str, n: int, k: int, dout: int) -> None:
 
 FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8, 8),
                 (32, 512, 4, 4), (32, 256, 8, 4), (64, 256, 8, 8), (64, 128, 8, 4),
-                (32, 128, 16, 4), (16, 256, 16, 4), (16, 1024, 8, 8), (16, 1024, 4, 4)]
+                (32, 128, 16, 4), (16, 256, 16, 4), (16, 1024, 8, 8), (16, 1024, 4, 4),
+                (32, 128, 4, 4), (16, 512, 4, 8), (16, 256, 4, 4), (32, 256, 4, 8)]
 
 
 # the decode step's sparse MLP at issue 4's operating points: (units, selected per bucket of
@@ -187,12 +189,12 @@ def flags_study(shape: str = "llama") -> None:
         auto = bench(lambda i, kw=kw: step_form(i, **kw))
         print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
               f"{gb / auto * 1e3:.0f} GB/s ({sm._down_kernel.best_config})", flush=True)
-        for bn, bd, tiles, warps in FLAG_CONFIGS:
-            cfg = {"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles, "num_warps": warps,
-                   "num_stages": 3}
+        for (bn, bd, tiles, warps), ahead in itertools.product(FLAG_CONFIGS, (False, True)):
+            cfg = {"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles, "AHEAD": ahead,
+                   "num_warps": warps, "num_stages": 3}
             t = bench(lambda i, kw=kw, cfg=cfg: step_form(i, fixed=cfg, **kw))
             print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  bn{bn} bd{bd} t{tiles} "
-                  f"w{warps}", flush=True)
+                  f"w{warps}{' ahead' if ahead else ''}", flush=True)
 
 
 def main() -> None:

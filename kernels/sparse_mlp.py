@@ -240,6 +240,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
     NORM: tl.constexpr = False, HAS_NB: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
     BLOCK_ROW: tl.constexpr = 1,
+    # AHEAD: the loop issues the next tile's weight loads before adding this tile's products,
+    # with that tile's ids loaded a step earlier still (the same sums in the same order)
+    AHEAD: tl.constexpr = False,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -250,22 +253,42 @@ def _down_kernel(
     # while the up kernel may still run (``start_dependents``)
     offs_n = pid_n * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o)
+    if AHEAD:  # the second tile's ids too
+        offs_next = offs_n + BLOCK_N
+        ids_next = tl.load(ids + offs_next, mask=offs_next < K, other=-1).to(tl.int64)
     wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
     if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
         res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
     else:
         res = 0.0  # (unread)
     # products summed over the tiles in a 2-d accumulator and reduced over neurons once at the
-    # end; a loop after the first tile (not unrolled), which Triton software-pipelines: its
-    # loads run ahead
-    acc = _down_add(tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32), w2, neurons, pre_row,
-                    up_row, b1_ptr, offs_n, K, ACT, HAS_B1, GATED)
-    for t in range(1, TILES):
-        offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n,
-                                 stride_w2o)
+    # end, in a loop after the first tile (not unrolled). Compiled for sm_90 (Triton 3.6) the
+    # loop stages nothing through shared memory: a step loads its tile's ids, then the rows
+    # they name, then adds their products, one tile's loads in flight at a time. AHEAD
+    # carries the next tile's rows and the one after's ids in registers from step to step
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if AHEAD:
+        for t in range(1, TILES):
+            w2_next = load_rows(w2t_ptr, ids_next, ids_next >= 0, stride_w2n,
+                                offs_o * stride_w2o, mask_o)
+            offs_after = offs_next + BLOCK_N
+            ids_after = tl.load(ids + offs_after, mask=(offs_after < K) & (t + 1 < TILES),
+                                other=-1).to(tl.int64)
+            acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
+                            GATED)
+            neurons, w2, offs_n = ids_next, w2_next, offs_next
+            ids_next, offs_next = ids_after, offs_after
         acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
                         GATED)
+    else:
+        acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
+                        GATED)
+        for t in range(1, TILES):
+            offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+            neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n,
+                                     stride_w2o)
+            acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
+                            GATED)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
     finish_tile(out_ptr + row * stride_out, fin_ptr + row * stride_out, b2_ptr, offs_o, mask_o,
