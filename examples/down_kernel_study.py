@@ -135,8 +135,9 @@ FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8,
 FLAG_SHAPES = {"llama": (14336, 64, 4096, True), "opt": (20480, 13, 5120, False)}
 
 
-def flags_study(shape: str = "llama") -> None:
-    """The package's down kernel with the decode step's flags, and the whole sparse MLP."""
+def flags_study(shape: str = "llama", step_only: bool = False) -> None:
+    """The package's down kernel with the decode step's flags, and the whole sparse MLP;
+    ``step_only``: the down kernel in the step's form only, not the plainer forms too."""
     from dejavu_compile.kernels import ops
     from dejavu_compile.kernels import triton_common as tc
 
@@ -169,23 +170,25 @@ def flags_study(shape: str = "llama") -> None:
     def step_form(i, fixed=None, clean=True, plain=False):
         """The down kernel as the step runs it, or ``plain``: ReLU, no gate, no biases."""
         _, sums, cnt, fin, cl = tc.workspace_targets(ws, 1, d, n_up * k, k, torch.float16)
+        # no norm: the kernel's own tensors stand in for the norm's (``norm_args``)
+        res, nrm, nw, _, stats, rcnt, eps = tc.norm_args(None, fin, sums, cnt)
         meta = dict(fixed=fixed) if fixed else {}
         bias = not gated and not plain
         tc.launch(sm._down_kernel,
                   lambda m: (1, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
                              triton.cdiv(d, m["BLOCK_D"])),
                   pre[0], pre[1], ids, b1 if bias else w2s[i], w2s[i], sums[None], fin,
-                  b2 if bias else w2s[i], cnt, cl,
-                  d, k, k, k, w2s[i].stride(0), 1, d, 0,
+                  b2 if bias else w2s[i], cnt, cl, res, nrm, nw, nw, stats, rcnt,
+                  d, k, eps, k, k, w2s[i].stride(0), 1, d, 0, 0,
                   ACT=tc.ACT_CODES["relu" if plain else act], HAS_B1=bias,
                   GATED=gated and not plain, ATOMIC=True, FUSED=clean, HAS_B2=bias and clean,
-                  CLEAN=clean, **meta)
+                  CLEAN=clean, NORM=False, HAS_NB=False, **tc.norm_meta(d), **meta)
 
     what = "gated, SiLU" if gated else "ReLU, biases"
     forms = [(f"step form ({what}, finish, clean)", dict(clean=True)),
              (f"{what}, no finish or clean", dict(clean=False)),
              ("ReLU, no gate, bias, finish or clean", dict(clean=False, plain=True))]
-    for name, kw in forms:
+    for name, kw in forms[:1] if step_only else forms:
         auto = bench(lambda i, kw=kw: step_form(i, **kw))
         print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
               f"{gb / auto * 1e3:.0f} GB/s ({sm._down_kernel.best_config})", flush=True)
@@ -203,10 +206,12 @@ def main() -> None:
                         help="the package's down kernel in the decode step's form")
     parser.add_argument("--shape", choices=sorted(FLAG_SHAPES), default="llama",
                         help="with --flags: Llama-3-8B at MLP density 0.5 or OPT-13B at 0.1")
+    parser.add_argument("--step-only", action="store_true",
+                        help="with --flags: the down kernel in the step's form only")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.flags:
-        flags_study(args.shape)
+        flags_study(args.shape, args.step_only)
         return
     for shape in SHAPES:
         study(*shape)
