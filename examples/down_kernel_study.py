@@ -124,6 +124,35 @@ def study(name: str, n: int, k: int, dout: int) -> None:
         print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  {what} {extra}", flush=True)
 
 
+def down_step(pre, ids, w2_t, b1, b2, act: str, workspace, fixed: dict | None = None,
+              clean: bool = True, plain: bool = False) -> torch.Tensor:
+    """The package's down kernel as the decode step runs it on a workspace, over ``pre`` [2, 1,
+    k] (pre-activations; up values of a gated MLP, ``act`` silu) of one row's ``ids`` [1, k]
+    and ``W2_t`` [N, d], with ``b1``/``b2`` (None for a gated MLP), autotuned or ``fixed``.
+    ``clean``: it finishes its output (fp16, returned) and leaves the workspace zero;
+    otherwise it leaves the sums (returned) and counters for a kernel after it. ``plain``:
+    ReLU, no gate, no biases."""
+    from dejavu_compile.kernels import triton_common as tc
+
+    (k, d), gated = (ids.shape[1], w2_t.shape[1]), act == "silu"
+    _, sums, cnt, fin, cl = tc.workspace_targets(workspace, 1, d, (1 + gated) * k, k,
+                                                 w2_t.dtype)
+    # no norm: the kernel's own tensors stand in for the norm's (``norm_args``)
+    res, nrm, nw, _, stats, rcnt, eps = tc.norm_args(None, fin, sums, cnt)
+    bias = not gated and not plain
+    tc.launch(sm._down_kernel,
+              lambda m: (1, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
+                         triton.cdiv(d, m["BLOCK_D"])),
+              pre[0], pre[1], ids, b1 if bias else w2_t, w2_t, sums[None], fin,
+              b2 if bias else w2_t, cnt, cl, res, nrm, nw, nw, stats, rcnt,
+              d, k, eps, k, k, w2_t.stride(0), 1, d, 0, 0,
+              ACT=tc.ACT_CODES["relu" if plain else act], HAS_B1=bias,
+              GATED=gated and not plain, ATOMIC=True, FUSED=clean, HAS_B2=bias and clean,
+              CLEAN=clean, NORM=False, HAS_NB=False, **tc.norm_meta(d),
+              **(dict(fixed=fixed) if fixed else {}))
+    return fin if clean else sums
+
+
 FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8, 8),
                 (32, 512, 4, 4), (32, 256, 8, 4), (64, 256, 8, 8), (64, 128, 8, 4),
                 (32, 128, 16, 4), (16, 256, 16, 4), (16, 1024, 8, 8), (16, 1024, 4, 4),
@@ -139,7 +168,6 @@ def flags_study(shape: str = "llama", step_only: bool = False) -> None:
     """The package's down kernel with the decode step's flags, and the whole sparse MLP;
     ``step_only``: the down kernel in the step's form only, not the plainer forms too."""
     from dejavu_compile.kernels import ops
-    from dejavu_compile.kernels import triton_common as tc
 
     n, per_bucket, d, gated = FLAG_SHAPES[shape]
     act = "silu" if gated else "relu"
@@ -168,21 +196,7 @@ def flags_study(shape: str = "llama", step_only: bool = False) -> None:
           f"({sm._up_kernel.best_config})", flush=True)
 
     def step_form(i, fixed=None, clean=True, plain=False):
-        """The down kernel as the step runs it, or ``plain``: ReLU, no gate, no biases."""
-        _, sums, cnt, fin, cl = tc.workspace_targets(ws, 1, d, n_up * k, k, torch.float16)
-        # no norm: the kernel's own tensors stand in for the norm's (``norm_args``)
-        res, nrm, nw, _, stats, rcnt, eps = tc.norm_args(None, fin, sums, cnt)
-        meta = dict(fixed=fixed) if fixed else {}
-        bias = not gated and not plain
-        tc.launch(sm._down_kernel,
-                  lambda m: (1, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
-                             triton.cdiv(d, m["BLOCK_D"])),
-                  pre[0], pre[1], ids, b1 if bias else w2s[i], w2s[i], sums[None], fin,
-                  b2 if bias else w2s[i], cnt, cl, res, nrm, nw, nw, stats, rcnt,
-                  d, k, eps, k, k, w2s[i].stride(0), 1, d, 0, 0,
-                  ACT=tc.ACT_CODES["relu" if plain else act], HAS_B1=bias,
-                  GATED=gated and not plain, ATOMIC=True, FUSED=clean, HAS_B2=bias and clean,
-                  CLEAN=clean, NORM=False, HAS_NB=False, **tc.norm_meta(d), **meta)
+        down_step(pre, ids, w2s[i], b1, b2, act, ws, fixed=fixed, clean=clean, plain=plain)
 
     what = "gated, SiLU" if gated else "ReLU, biases"
     forms = [(f"step form ({what}, finish, clean)", dict(clean=True)),

@@ -947,3 +947,25 @@ def test_persistent_mlp_study_kernel_is_the_sparse_mlp(gated):
         assert not pre.any() and not bar.any()
     with pytest.raises(ValueError, match="bar int32"):
         study.persistent_sums(x, ids, w1, b1, w_up, w2_t, act, sums, pre, bar.float(), 3)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
+def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, ahead):
+    """``examples/down_kernel_study.py``'s down kernel in the decode step's form (under the
+    interpreter, three neuron tiles a program, the last cut short, the next tile's loads issued
+    ahead or not) finishes the reference sparse MLP's output from the up projection's
+    pre-activations, and leaves its workspace zero."""
+    from dejavu_compile.kernels import ops, reference
+
+    study = load_example(Path(__file__).parents[1] / "examples" / "down_kernel_study.py")
+    x, ids, w1, b1, w_up, w2_t, act = _mlp_case(gated, 3)
+    b2 = None if gated else torch.randn(w2_t.shape[1], generator=torch.Generator().manual_seed(4))
+    want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, b2, act)
+    pre = torch.stack([x @ w1[ids[0]].T, x @ (w_up if gated else w1)[ids[0]].T])
+    space = torch.zeros(ops.workspace_numel(1, w2_t.shape[1], ids.shape[1], gated=True))
+    got = study.down_step(pre, ids, w2_t, b1, b2, act, space,
+                          fixed={"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3, "AHEAD": ahead,
+                                 "num_warps": 1})
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not space.any()
