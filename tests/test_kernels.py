@@ -843,6 +843,47 @@ def test_down_kernel_first_tile_and_the_loop_after(tiles, ahead, monkeypatch):
         assert not workspace.any()
 
 
+def test_down_kernel_ahead_issues_the_next_tiles_loads_before_this_ones_products(tmp_path):
+    """Compiled for sm_90 (Triton's ptxas, no GPU needed; pointers and strides 16-aligned, as
+    the launches specialise them), the down kernel's loop holds one neuron tile's weight loads
+    in flight before the first products, and with ``AHEAD`` two: one tile's loads more before
+    the first multiply-add, for a plain and a gated MLP, at 2, 4 and 8 tiles a program."""
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dejavu_compile.kernels import sparse_mlp
+fn = sparse_mlp._down_kernel.fn
+ptrs = {a: "*fp16" for a in fn.arg_names if a.endswith("_ptr")}
+ptrs.update(pre_ptr="*fp32", up_ptr="*fp32", out_ptr="*fp32", stats_ptr="*fp32",
+            idx_ptr="*i64", cnt_ptr="*i32", clean_ptr="*i32", rcnt_ptr="*i32", eps="fp32")
+for gated in (False, True):
+    for tiles in (2, 4, 8):
+        for ahead in (False, True):
+            const = dict(ACT=1 if gated else 0, HAS_B1=not gated, GATED=gated, ATOMIC=True,
+                         FUSED=True, HAS_B2=not gated, CLEAN=True, BLOCK_N=16, BLOCK_D=512,
+                         TILES=tiles, PDL=True, NORM=False, HAS_NB=False, BLOCK_T=1,
+                         BLOCK_ROW=1, stride_w2o=1, AHEAD=ahead)
+            sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                       if a.endswith("_ptr") or a.startswith("stride") and a not in const}
+            ptx = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=aligned),
+                                 target=GPUTarget("cuda", 90, 32),
+                                 options=dict(num_warps=4)).asm["ptx"]
+            head = ptx[: ptx.index("fma.rn.f32")]
+            print(gated, tiles, ahead, head.count("ld.global.b16"))
+"""
+    stdout = compile_outside_interpreter(code, cwd=tmp_path)
+    rows = [line.split() for line in stdout.splitlines()]
+    assert len(rows) == 12, stdout
+    loads = {(r[0], r[1], r[2]): int(r[3]) for r in rows}
+    # a 16 x 512 fp16 tile over 128 threads: 64 two-byte loads a thread (ptxas merges them
+    # into 16-byte ones), one tile more before the first product with AHEAD
+    for gated, tiles in itertools.product(("False", "True"), ("2", "4", "8")):
+        assert loads[gated, tiles, "False"] >= 64, stdout
+        assert loads[gated, tiles, "True"] - loads[gated, tiles, "False"] == 64, stdout
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("tiles", [1, 3])
