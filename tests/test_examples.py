@@ -241,10 +241,12 @@ def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
                     {"kernel": study.KERNELS["down"], "key": ["down", 5120], "config": down_cfg}]
 
 
-def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch, ahead):
     """``--kernel cols``: the study's op reads the Linear's own ``[d, H * head_dim]`` weight
     through its transposed view, so the column kernel runs (the one the study pins, not the
-    re-laid-out layout's), and matches the reference; its dense op is that Linear."""
+    re-laid-out layout's), and matches the reference; its dense op is that Linear. With
+    ``--ahead`` each candidate runs again with ``AHEAD`` on, and matches it too."""
     import types
 
     import torch.nn.functional as F
@@ -285,11 +287,13 @@ def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch):
 
     monkeypatch.setattr(bench, "_time_layers", time_layers)
     assert heads.reads_columns(bench.head_weights(None, None)[6][1].t(), hd)
-    result, _ = study.study("opt-13b", "cols", 0.5, case=(op, dense, nbytes))
+    result, _ = study.study("opt-13b", "cols", 0.5, case=(op, dense, nbytes), ahead=ahead)
     assert result["kernel"] == "heads._head_out_cols_kernel"
-    assert len(result["rows"]) == 2 and cols.configs == tiles
+    pins = [t.kwargs for t in tiles] + ([{**t.kwargs, "AHEAD": True} for t in tiles]
+                                        if ahead else [])
+    assert len(result["rows"]) == len(pins) and cols.configs == tiles
     # each candidate of the column kernel pinned in turn, the row kernel's left as they were
-    assert ran == ["chosen", "dense"] + [(t.kwargs, len(rows.configs)) for t in tiles]
+    assert ran == ["chosen", "dense"] + [(p, len(rows.configs)) for p in pins]
 
 
 def test_tile_study_check_runs_each_candidate_pinned_and_synchronised(monkeypatch, capsys):
@@ -411,6 +415,15 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
         study.main(["--ship", str(run), "--to", str(elsewhere / "Other_GPU.json")])
     with pytest.raises(SystemExit):
         study.main(["--to", str(mine), "--kernel", "up"])
+
+
+def test_tile_study_refuses_ahead_for_a_kernel_without_it(capsys):
+    """``--ahead`` goes with the kernels that have the option (the down and column kernels):
+    with another it is an error naming both, before the study needs a GPU."""
+    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    with pytest.raises(SystemExit):
+        study.main(["--kernel", "up", "--ahead"])
+    assert "--ahead goes with --kernel down or cols, not up" in capsys.readouterr().err
 
 
 def test_host_study_checks_its_modes_and_cpus_before_it_needs_a_gpu():
