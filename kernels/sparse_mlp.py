@@ -185,13 +185,24 @@ def _up_store_kernel(
 
 
 @triton.jit
+def _down_ids(ids, offs_n, K, more=True):
+    """The ids at ``offs_n``: -1 past ``K``, or where ``more`` is false."""
+    return tl.load(ids + offs_n, mask=(offs_n < K) & more, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _down_rows(neurons, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o):
+    """The rows of ``W2_t`` of ``neurons`` at ``offs_o`` (zeros for -1: past K or union
+    padding)."""
+    return tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
+                   mask=(neurons >= 0)[:, None] & mask_o[None, :], other=0.0)
+
+
+@triton.jit
 def _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o):
     """The ids at ``offs_n`` (-1 past ``K``) and their rows of ``W2_t`` at ``offs_o``."""
-    neurons = tl.load(ids + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
-    valid = neurons >= 0  # -1: past K or union padding
-    w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                 mask=valid[:, None] & mask_o[None, :], other=0.0)
-    return neurons, w2
+    neurons = _down_ids(ids, offs_n, K)
+    return neurons, _down_rows(neurons, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o)
 
 
 @triton.jit
@@ -255,7 +266,7 @@ def _down_kernel(
     neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o)
     if AHEAD:  # the second tile's ids too
         offs_next = offs_n + BLOCK_N
-        ids_next = tl.load(ids + offs_next, mask=offs_next < K, other=-1).to(tl.int64)
+        ids_next = _down_ids(ids, offs_next, K)
     wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
     if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
         res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
@@ -269,11 +280,9 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if AHEAD:
         for t in range(1, TILES):
-            w2_next = load_rows(w2t_ptr, ids_next, ids_next >= 0, stride_w2n,
-                                offs_o * stride_w2o, mask_o)
+            w2_next = _down_rows(ids_next, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o)
             offs_after = offs_next + BLOCK_N
-            ids_after = tl.load(ids + offs_after, mask=(offs_after < K) & (t + 1 < TILES),
-                                other=-1).to(tl.int64)
+            ids_after = _down_ids(ids, offs_after, K, t + 1 < TILES)
             acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
                             GATED)
             neurons, w2, offs_n = ids_next, w2_next, offs_next
