@@ -124,32 +124,24 @@ def study(name: str, n: int, k: int, dout: int) -> None:
         print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  {what} {extra}", flush=True)
 
 
-def down_step(pre, ids, w2_t, b1, b2, act: str, workspace, fixed: dict | None = None,
-              clean: bool = True, plain: bool = False) -> torch.Tensor:
-    """The package's down kernel as the decode step runs it on a workspace, over ``pre`` [2, 1,
-    k] (pre-activations; up values of a gated MLP, ``act`` silu) of one row's ``ids`` [1, k]
-    and ``W2_t`` [N, d], with ``b1``/``b2`` (None for a gated MLP), autotuned or ``fixed``.
-    ``clean``: it finishes its output (fp16, returned) and leaves the workspace zero;
-    otherwise it leaves the sums (returned) and counters for a kernel after it. ``plain``:
-    ReLU, no gate, no biases."""
+def down_step(pre, ids, w2_t, b1, b2, act: str, workspace, clean: bool = True,
+              plain: bool = False) -> torch.Tensor:
+    """The package's down kernel as the decode step runs it on a workspace (its launcher,
+    ``sparse_mlp._launch_down``; pin a config with ``tuning.pinned``), over ``pre`` [2, 1, k]
+    (pre-activations; up values of a gated MLP, ``act`` silu) of one row's ``ids`` [1, k] and
+    ``W2_t`` [N, d], with ``b1``/``b2`` (None for a gated MLP). ``clean``: it finishes its
+    output (returned, in W's dtype) and leaves the workspace zero; otherwise it leaves the
+    sums (returned) and counters for a kernel after it. ``plain``: ReLU, no gate, no
+    biases."""
     from dejavu_compile.kernels import triton_common as tc
 
     (k, d), gated = (ids.shape[1], w2_t.shape[1]), act == "silu"
     _, sums, cnt, fin, cl = tc.workspace_targets(workspace, 1, d, (1 + gated) * k, k,
                                                  w2_t.dtype)
-    # no norm: the kernel's own tensors stand in for the norm's (``norm_args``)
-    res, nrm, nw, _, stats, rcnt, eps = tc.norm_args(None, fin, sums, cnt)
     bias = not gated and not plain
-    tc.launch(sm._down_kernel,
-              lambda m: (1, triton.cdiv(k, m["BLOCK_N"] * m["TILES"]),
-                         triton.cdiv(d, m["BLOCK_D"])),
-              pre[0], pre[1], ids, b1 if bias else w2_t, w2_t, sums[None], fin,
-              b2 if bias else w2_t, cnt, cl, res, nrm, nw, nw, stats, rcnt,
-              d, k, eps, k, k, w2_t.stride(0), 1, d, 0, 0,
-              ACT=tc.ACT_CODES["relu" if plain else act], HAS_B1=bias,
-              GATED=gated and not plain, ATOMIC=True, FUSED=clean, HAS_B2=bias and clean,
-              CLEAN=clean, NORM=False, HAS_NB=False, **tc.norm_meta(d),
-              **(dict(fixed=fixed) if fixed else {}))
+    sm._launch_down(pre, ids, b1 if bias else None, w2_t, sums[None], "relu" if plain else act,
+                    gated and not plain, False, fin=fin, b2=b2 if bias and clean else None,
+                    cnt=cnt, clean=cl if clean else None, finish=clean)
     return fin if clean else sums
 
 
@@ -167,7 +159,7 @@ FLAG_SHAPES = {"llama": (14336, 64, 4096, True), "opt": (20480, 13, 5120, False)
 def flags_study(shape: str = "llama", step_only: bool = False) -> None:
     """The package's down kernel with the decode step's flags, and the whole sparse MLP;
     ``step_only``: the down kernel in the step's form only, not the plainer forms too."""
-    from dejavu_compile.kernels import ops
+    from dejavu_compile.kernels import ops, tuning
 
     n, per_bucket, d, gated = FLAG_SHAPES[shape]
     act = "silu" if gated else "relu"
@@ -195,8 +187,8 @@ def flags_study(shape: str = "llama", step_only: bool = False) -> None:
     print(f"   up kernel alone: {up * 1e3:.1f} us, {n_up * gb / up * 1e3:.0f} GB/s "
           f"({sm._up_kernel.best_config})", flush=True)
 
-    def step_form(i, fixed=None, clean=True, plain=False):
-        down_step(pre, ids, w2s[i], b1, b2, act, ws, fixed=fixed, clean=clean, plain=plain)
+    def step_form(i, clean=True, plain=False):
+        down_step(pre, ids, w2s[i], b1, b2, act, ws, clean=clean, plain=plain)
 
     what = "gated, SiLU" if gated else "ReLU, biases"
     forms = [(f"step form ({what}, finish, clean)", dict(clean=True)),
@@ -207,9 +199,10 @@ def flags_study(shape: str = "llama", step_only: bool = False) -> None:
         print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
               f"{gb / auto * 1e3:.0f} GB/s ({sm._down_kernel.best_config})", flush=True)
         for (bn, bd, tiles, warps), ahead in itertools.product(FLAG_CONFIGS, (False, True)):
-            cfg = {"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles, "AHEAD": ahead,
-                   "num_warps": warps, "num_stages": 3}
-            t = bench(lambda i, kw=kw, cfg=cfg: step_form(i, fixed=cfg, **kw))
+            cfg = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles, "AHEAD": ahead},
+                                num_warps=warps, num_stages=3)
+            with tuning.pinned("sparse_mlp._down_kernel", cfg):
+                t = bench(lambda i, kw=kw: step_form(i, **kw))
             print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  bn{bn} bd{bd} t{tiles} "
                   f"w{warps}{' ahead' if ahead else ''}", flush=True)
 

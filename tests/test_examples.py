@@ -969,7 +969,8 @@ def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, ahead):
     interpreter, three neuron tiles a program, the last cut short, the next tile's loads issued
     ahead or not) finishes the reference sparse MLP's output from the up projection's
     pre-activations, and leaves its workspace zero."""
-    from dejavu_compile.kernels import ops, reference
+    import triton
+    from dejavu_compile.kernels import ops, reference, tuning
 
     study = load_example(Path(__file__).parents[1] / "examples" / "down_kernel_study.py")
     x, ids, w1, b1, w_up, w2_t, act = _mlp_case(gated, 3)
@@ -977,8 +978,8 @@ def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, ahead):
     want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, b2, act)
     pre = torch.stack([x @ w1[ids[0]].T, x @ (w_up if gated else w1)[ids[0]].T])
     space = torch.zeros(ops.workspace_numel(1, w2_t.shape[1], ids.shape[1], gated=True))
-    got = study.down_step(pre, ids, w2_t, b1, b2, act, space,
-                          fixed={"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3, "AHEAD": ahead,
-                                 "num_warps": 1})
+    tile = triton.Config({"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3, "AHEAD": ahead}, num_warps=1)
+    with tuning.pinned("sparse_mlp._down_kernel", tile):
+        got = study.down_step(pre, ids, w2_t, b1, b2, act, space)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not space.any()
