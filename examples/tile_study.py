@@ -131,17 +131,19 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
 
 
 @torch.no_grad()
-def check(model: str, kernel: str, density: float, dtype=torch.float16, case=None) -> int:
+def check(model: str, kernel: str, density: float, dtype=torch.float16, case=None,
+          ahead: bool = False) -> int:
     """Each candidate of ``kernel`` pinned in turn and run once on every layer's weights, the
     GPU synchronised after it and its tile printed before it, with no timing: a candidate
     that faults is the last one printed (run with ``CUDA_LAUNCH_BLOCKING=1``, so that the
     fault is reported at its launch). For ``mlp``, the up kernel's candidates (the op runs
-    both kernels). Returns how many ran."""
+    both kernels); ``ahead``: each with ``AHEAD`` on too (``candidates``). Returns how many
+    ran."""
     studied = "up" if kernel == "mlp" else kernel
     name = KERNELS[studied]
     op, _, _ = case or _case(bench.shape_configs()[model], studied, density, dtype)
     ran = 0
-    for config in list(tuning.autotuners()[name].configs):
+    for config in candidates(tuning.autotuners()[name], ahead):
         print(f"{model} {name} density {density}: {tuning.config_data(config)}", flush=True)
         with tuning.pinned(name, config):
             for i in range(bench.LAYERS):
@@ -247,7 +249,7 @@ def main(argv=None):
     if args.check:
         for model in args.models:
             for density in args.densities:
-                check(model, args.kernel, density)
+                check(model, args.kernel, density, ahead=args.ahead)
         return
     results, tuned = [], {}
     for model in args.models:

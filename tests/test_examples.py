@@ -341,6 +341,12 @@ def test_tile_study_check_runs_each_candidate_pinned_and_synchronised(monkeypatc
         f"opt-13b {study.KERNELS['cols']} density 0.75: {tuning.config_data(t)}" for t in tiles]
     assert printed[-1].endswith("all 2 candidates ran")
     assert cols.configs == tiles and cols.cache == {("chosen",): tiles[1]}
+    # --ahead: each candidate again with AHEAD on, after them
+    assert study.check("opt-13b", "cols", 0.75, case=(run, None, 0), ahead=True) == 4
+    printed = capsys.readouterr().out.splitlines()
+    named = [line for line in printed if "BLOCK_M" in line]
+    assert ["'AHEAD': True" in line for line in named] == [False, False, True, True], printed
+    assert printed[-1].endswith("all 4 candidates ran")
 
 
 def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_path, capsys):
