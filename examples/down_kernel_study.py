@@ -12,8 +12,7 @@ bytes read. About 3 minutes per shape on an H200 (compiling each config):
 ``--flags`` times the package's own ``_down_kernel`` on the Llama-3-8B down projection at
 density 0.5 (``--shape opt``: OPT-13B's at 0.1) as the decode step runs it (gated with SiLU,
 or ReLU with biases; finishing its output, leaving its workspace zero) against plainer forms,
-over a grid of fixed configs, each with and without ``AHEAD`` (the next tile's loads issued
-before this tile's products), and the whole op (up and down kernels) against its up kernel:
+over a grid of fixed configs, and the whole op (up and down kernels) against its up kernel:
 what the step's extra work costs, and whether the autotuned tile is the best one for it.
 """
 import argparse
@@ -198,13 +197,13 @@ def flags_study(shape: str = "llama", step_only: bool = False) -> None:
         auto = bench(lambda i, kw=kw: step_form(i, **kw))
         print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
               f"{gb / auto * 1e3:.0f} GB/s ({sm._down_kernel.best_config})", flush=True)
-        for (bn, bd, tiles, warps), ahead in itertools.product(FLAG_CONFIGS, (False, True)):
-            cfg = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles, "AHEAD": ahead},
+        for bn, bd, tiles, warps in FLAG_CONFIGS:
+            cfg = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles},
                                 num_warps=warps, num_stages=3)
             with tuning.pinned("sparse_mlp._down_kernel", cfg):
                 t = bench(lambda i, kw=kw: step_form(i, **kw))
             print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  bn{bn} bd{bd} t{tiles} "
-                  f"w{warps}{' ahead' if ahead else ''}", flush=True)
+                  f"w{warps}", flush=True)
 
 
 def main() -> None:

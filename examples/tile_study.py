@@ -28,8 +28,7 @@ with each of the ``--pairs`` fastest tiles of one paired with each of the other'
 and writes the fastest pair: a tile found with the other kernel autotuned need not be the best
 beside another (OPT-13B's MLP at density 0.1 ran 17.9 us with a pair the autotuner chose, and
 19.6 with the study's fastest down tile beside an autotuned up tile: BENCHMARKS.md,
-twenty-fourth session). ``--ahead`` (``down`` and ``cols``) times each candidate again with
-the kernel's ``AHEAD`` option on, the next step's loads issued before this step's products.
+twenty-fourth session).
 """
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from dejavu_compile.kernels import heads, ops, sparse_mlp, tuning
 from triton.runtime.errors import OutOfResources
 
@@ -48,18 +46,6 @@ from dejavu_compile import bench
 KERNELS = {"up": "sparse_mlp._up_kernel", "down": "sparse_mlp._down_kernel",
            "q": "heads._head_proj_kernel", "out": "heads._head_out_kernel",
            "cols": "heads._head_out_cols_kernel"}
-# the kernels with an ``AHEAD`` option (the next step's loads issued before this step's
-# products), not among their autotuner's configs: ``--ahead`` times each candidate with it too
-AHEAD_KERNELS = ("down", "cols")
-
-
-def candidates(tuner, ahead: bool = False) -> list:
-    """The autotuner's configs, then, with ``ahead``, each of them with ``AHEAD`` on."""
-    configs = list(tuner.configs)
-    if ahead:
-        configs += [triton.Config({**c.kwargs, "AHEAD": True}, num_warps=c.num_warps,
-                                  num_stages=c.num_stages) for c in configs]
-    return configs
 
 
 def _case(cfg, kernel: str, density: float, dtype):
@@ -96,11 +82,10 @@ def _case(cfg, kernel: str, density: float, dtype):
 
 @torch.no_grad()
 def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int = 12,
-          case=None, ahead: bool = False):
+          case=None):
     """Rows (one per candidate, fastest first) and the best candidate's entry
     ``{"key": ..., "config": ...}`` for the key the op tunes; ``case``: ``_case``'s op, dense
-    and bytes if already built (``pair_study``'s, which both MLP kernels share); ``ahead``:
-    each candidate with ``AHEAD`` on too (``candidates``)."""
+    and bytes if already built (``pair_study``'s, which both MLP kernels share)."""
     name = KERNELS[kernel]
     tuner = tuning.autotuners()[name]
     op, dense, nbytes = case or _case(bench.shape_configs()[model], kernel, density, dtype)
@@ -109,7 +94,7 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
     keys = [key for key in tuner.cache if key not in before]
     dense_ms = bench._time_layers(dense, bench.LAYERS)[0]
     rows = []
-    for config in candidates(tuner, ahead):
+    for config in list(tuner.configs):
         with tuning.pinned(name, config):
             try:
                 ms = bench._time_layers(op, bench.LAYERS)[0]
@@ -131,19 +116,17 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
 
 
 @torch.no_grad()
-def check(model: str, kernel: str, density: float, dtype=torch.float16, case=None,
-          ahead: bool = False) -> int:
+def check(model: str, kernel: str, density: float, dtype=torch.float16, case=None) -> int:
     """Each candidate of ``kernel`` pinned in turn and run once on every layer's weights, the
     GPU synchronised after it and its tile printed before it, with no timing: a candidate
     that faults is the last one printed (run with ``CUDA_LAUNCH_BLOCKING=1``, so that the
     fault is reported at its launch). For ``mlp``, the up kernel's candidates (the op runs
-    both kernels); ``ahead``: each with ``AHEAD`` on too (``candidates``). Returns how many
-    ran."""
+    both kernels). Returns how many ran."""
     studied = "up" if kernel == "mlp" else kernel
     name = KERNELS[studied]
     op, _, _ = case or _case(bench.shape_configs()[model], studied, density, dtype)
     ran = 0
-    for config in candidates(tuning.autotuners()[name], ahead):
+    for config in list(tuning.autotuners()[name].configs):
         print(f"{model} {name} density {density}: {tuning.config_data(config)}", flush=True)
         with tuning.pinned(name, config):
             for i in range(bench.LAYERS):
@@ -206,9 +189,6 @@ def main(argv=None):
                    help="with --kernel mlp: pair this many fastest tiles of each kernel")
     p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])
     p.add_argument("--json", help="write the rows and the fastest tile per key here")
-    p.add_argument("--ahead", action="store_true",
-                   help=f"with --kernel {' or '.join(AHEAD_KERNELS)}: each candidate with its "
-                        f"option AHEAD on too")
     p.add_argument("--check", action="store_true",
                    help="only run each candidate once, synchronised, naming it first (no "
                         "timing): with CUDA_LAUNCH_BLOCKING=1, the tile that faults")
@@ -239,8 +219,6 @@ def main(argv=None):
         return
     if args.kernel is None:
         p.error("--kernel is required (unless --ship)")
-    if args.ahead and args.kernel not in AHEAD_KERNELS:
-        p.error(f"--ahead goes with --kernel {' or '.join(AHEAD_KERNELS)}, not {args.kernel}")
     if not torch.cuda.is_available():
         raise SystemExit("tile_study needs a CUDA GPU")
     bench.check_densities(args.densities)
@@ -249,7 +227,7 @@ def main(argv=None):
     if args.check:
         for model in args.models:
             for density in args.densities:
-                check(model, args.kernel, density, ahead=args.ahead)
+                check(model, args.kernel, density)
         return
     results, tuned = [], {}
     for model in args.models:
@@ -258,7 +236,7 @@ def main(argv=None):
                 done, entries = pair_study(model, density, args.pairs)
                 results.extend(done)
             else:
-                result, best = study(model, args.kernel, density, ahead=args.ahead)
+                result, best = study(model, args.kernel, density)
                 results.append(result)
                 entries = [{"kernel": result["kernel"], **best}] if best is not None else []
             for e in entries:

@@ -160,21 +160,6 @@ def _head_out_kernel(
                    BLOCK_T, BLOCK_ROW)
 
 
-@triton.jit
-def _cols_tile(a_row, w_rows, heads, in_k, mask_m, HEAD_DIM, BLOCK_H: tl.constexpr,
-               EXACT: tl.constexpr):
-    """One step of the column kernel: the activations of the heads ``heads`` (``-1``: none)
-    and their columns of the program's rows of ``W_o``, ``[UNROLL * BLOCK_H]`` fp32 and
-    ``[BLOCK_M, UNROLL * BLOCK_H]`` in W's dtype."""
-    cols = heads.to(tl.int64) * HEAD_DIM + in_k
-    if EXACT:
-        cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_H), BLOCK_H)
-    ok = (heads >= 0) & (in_k < HEAD_DIM)  # -1: past the selection, or union padding
-    a = tl.load(a_row + cols, mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(w_rows + cols[None, :], mask=mask_m[:, None] & ok[None, :], other=0.0)
-    return a, w
-
-
 @triton.autotune(configs=tc.column_configs(), key=["DOUT", "HEADS"])
 @triton.jit
 def _head_out_cols_kernel(
@@ -182,7 +167,7 @@ def _head_out_cols_kernel(
     DOUT, HEADS, HEAD_DIM,
     stride_a, stride_idx, stride_w, stride_out,
     HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
+    EXACT: tl.constexpr, PDL: tl.constexpr,
 ):
     """The output projection on the original ``W_o`` ([d_out, H * head_dim], rows of stride
     ``stride_w``, a selected head's ``head_dim`` columns contiguous in each): each program
@@ -190,39 +175,29 @@ def _head_out_cols_kernel(
     (a ``[BLOCK_M, UNROLL * BLOCK_H]`` tile), so it stores finished, biased outputs in their
     dtype, with no atomics, partial sums or counters. The next step's head ids load while
     this step's weights do, so a step waits on one memory latency, not two (ids, then the
-    weights they address). ``AHEAD``: the next step's weights and activations load before
-    this step's products are added, the ids a step earlier still (the same sums in the same
-    order; compiled for sm_90 the loop stages nothing through shared memory, so otherwise one
-    step's loads are in flight at a time). ``EXACT``: ``head_dim`` is ``BLOCK_H`` (a power of
-    two), so each head's columns are one contiguous, aligned run the loads can vectorise."""
+    weights they address). ``EXACT``: ``head_dim`` is ``BLOCK_H`` (a power of two), so each
+    head's columns are one contiguous, aligned run the loads can vectorise."""
     row, pid = tl.program_id(0), tl.program_id(1)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < DOUT
     offs_k = tl.arange(0, UNROLL * BLOCK_H)
     slot_k, in_k = offs_k // BLOCK_H, offs_k % BLOCK_H
     w_rows = w_ptr + offs_m.to(tl.int64)[:, None] * stride_w
-    a_row = a_ptr + row * stride_a
     ids_ptr = idx_ptr + row * stride_idx
     wait_inputs(PDL)  # the activations and ids are the kernels' before
     heads = tl.load(ids_ptr + slot_k, mask=slot_k < HEADS, other=-1)
     acc = tl.zeros([BLOCK_M, UNROLL * BLOCK_H], dtype=tl.float32)
-    if AHEAD:
-        a, w = _cols_tile(a_row, w_rows, heads, in_k, mask_m, HEAD_DIM, BLOCK_H, EXACT)
-        heads = tl.load(ids_ptr + UNROLL + slot_k, mask=UNROLL + slot_k < HEADS, other=-1)
-        for s in range(0, HEADS, UNROLL):
-            after = s + 2 * UNROLL + slot_k
-            heads_after = tl.load(ids_ptr + after, mask=after < HEADS, other=-1)
-            a_next, w_next = _cols_tile(a_row, w_rows, heads, in_k, mask_m, HEAD_DIM, BLOCK_H,
-                                        EXACT)
-            acc += w.to(tl.float32) * a[None, :]
-            a, w, heads = a_next, w_next, heads_after
-    else:
-        for s in range(0, HEADS, UNROLL):
-            cur = heads
-            nxt = s + UNROLL + slot_k
-            heads = tl.load(ids_ptr + nxt, mask=nxt < HEADS, other=-1)
-            a, w = _cols_tile(a_row, w_rows, cur, in_k, mask_m, HEAD_DIM, BLOCK_H, EXACT)
-            acc += w.to(tl.float32) * a[None, :]
+    for s in range(0, HEADS, UNROLL):
+        cur = heads
+        nxt = s + UNROLL + slot_k
+        heads = tl.load(ids_ptr + nxt, mask=nxt < HEADS, other=-1)
+        cols = cur.to(tl.int64) * HEAD_DIM + in_k
+        if EXACT:
+            cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_H), BLOCK_H)
+        ok = (cur >= 0) & (in_k < HEAD_DIM)  # -1: past the selection, or union padding
+        a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=mask_m[:, None] & ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, 1)
     if HAS_B:
         out += tl.load(b_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)

@@ -185,24 +185,13 @@ def _up_store_kernel(
 
 
 @triton.jit
-def _down_ids(ids, offs_n, K, more=True):
-    """The ids at ``offs_n``: -1 past ``K``, or where ``more`` is false."""
-    return tl.load(ids + offs_n, mask=(offs_n < K) & more, other=-1).to(tl.int64)
-
-
-@triton.jit
-def _down_rows(neurons, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o):
-    """The rows of ``W2_t`` of ``neurons`` at ``offs_o`` (zeros for -1: past K or union
-    padding)."""
-    return tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                   mask=(neurons >= 0)[:, None] & mask_o[None, :], other=0.0)
-
-
-@triton.jit
 def _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o):
     """The ids at ``offs_n`` (-1 past ``K``) and their rows of ``W2_t`` at ``offs_o``."""
-    neurons = _down_ids(ids, offs_n, K)
-    return neurons, _down_rows(neurons, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o)
+    neurons = tl.load(ids + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+    valid = neurons >= 0  # -1: past K or union padding
+    w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
+                 mask=valid[:, None] & mask_o[None, :], other=0.0)
+    return neurons, w2
 
 
 @triton.jit
@@ -251,9 +240,6 @@ def _down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
     NORM: tl.constexpr = False, HAS_NB: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
     BLOCK_ROW: tl.constexpr = 1,
-    # AHEAD: the loop issues the next tile's weight loads before adding this tile's products,
-    # with that tile's ids loaded a step earlier still (the same sums in the same order)
-    AHEAD: tl.constexpr = False,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -264,9 +250,6 @@ def _down_kernel(
     # while the up kernel may still run (``start_dependents``)
     offs_n = pid_n * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o)
-    if AHEAD:  # the second tile's ids too
-        offs_next = offs_n + BLOCK_N
-        ids_next = _down_ids(ids, offs_next, K)
     wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
     if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
         res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
@@ -275,29 +258,17 @@ def _down_kernel(
     # products summed over the tiles in a 2-d accumulator and reduced over neurons once at the
     # end, in a loop after the first tile (not unrolled). Compiled for sm_90 (Triton 3.6) the
     # loop stages nothing through shared memory: a step loads its tile's ids, then the rows
-    # they name, then adds their products, one tile's loads in flight at a time. AHEAD
-    # carries the next tile's rows and the one after's ids in registers from step to step
-    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    if AHEAD:
-        for t in range(1, TILES):
-            w2_next = _down_rows(ids_next, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o)
-            offs_after = offs_next + BLOCK_N
-            ids_after = _down_ids(ids, offs_after, K, t + 1 < TILES)
-            acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
-                            GATED)
-            neurons, w2, offs_n = ids_next, w2_next, offs_next
-            ids_next, offs_next = ids_after, offs_after
+    # they name, then adds their products, one tile's loads in flight at a time. (Loading the
+    # next tile's rows before this tile's products, in registers, was slower at the best tiles
+    # on an H100: BENCHMARKS.md, seventy-first session)
+    acc = _down_add(tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32), w2, neurons, pre_row,
+                    up_row, b1_ptr, offs_n, K, ACT, HAS_B1, GATED)
+    for t in range(1, TILES):
+        offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n,
+                                 stride_w2o)
         acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
                         GATED)
-    else:
-        acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
-                        GATED)
-        for t in range(1, TILES):
-            offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-            neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n,
-                                     stride_w2o)
-            acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
-                            GATED)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,
                 ATOMIC)
     finish_tile(out_ptr + row * stride_out, fin_ptr + row * stride_out, b2_ptr, offs_o, mask_o,

@@ -241,12 +241,10 @@ def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
                     {"kernel": study.KERNELS["down"], "key": ["down", 5120], "config": down_cfg}]
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch, ahead):
+def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch):
     """``--kernel cols``: the study's op reads the Linear's own ``[d, H * head_dim]`` weight
     through its transposed view, so the column kernel runs (the one the study pins, not the
-    re-laid-out layout's), and matches the reference; its dense op is that Linear. With
-    ``--ahead`` each candidate runs again with ``AHEAD`` on, and matches it too."""
+    re-laid-out layout's), and matches the reference; its dense op is that Linear."""
     import types
 
     import torch.nn.functional as F
@@ -287,13 +285,11 @@ def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch, ahead):
 
     monkeypatch.setattr(bench, "_time_layers", time_layers)
     assert heads.reads_columns(bench.head_weights(None, None)[6][1].t(), hd)
-    result, _ = study.study("opt-13b", "cols", 0.5, case=(op, dense, nbytes), ahead=ahead)
+    result, _ = study.study("opt-13b", "cols", 0.5, case=(op, dense, nbytes))
     assert result["kernel"] == "heads._head_out_cols_kernel"
-    pins = [t.kwargs for t in tiles] + ([{**t.kwargs, "AHEAD": True} for t in tiles]
-                                        if ahead else [])
-    assert len(result["rows"]) == len(pins) and cols.configs == tiles
+    assert len(result["rows"]) == 2 and cols.configs == tiles
     # each candidate of the column kernel pinned in turn, the row kernel's left as they were
-    assert ran == ["chosen", "dense"] + [(p, len(rows.configs)) for p in pins]
+    assert ran == ["chosen", "dense"] + [(t.kwargs, len(rows.configs)) for t in tiles]
 
 
 def test_tile_study_check_runs_each_candidate_pinned_and_synchronised(monkeypatch, capsys):
@@ -341,12 +337,6 @@ def test_tile_study_check_runs_each_candidate_pinned_and_synchronised(monkeypatc
         f"opt-13b {study.KERNELS['cols']} density 0.75: {tuning.config_data(t)}" for t in tiles]
     assert printed[-1].endswith("all 2 candidates ran")
     assert cols.configs == tiles and cols.cache == {("chosen",): tiles[1]}
-    # --ahead: each candidate again with AHEAD on, after them
-    assert study.check("opt-13b", "cols", 0.75, case=(run, None, 0), ahead=True) == 4
-    printed = capsys.readouterr().out.splitlines()
-    named = [line for line in printed if "BLOCK_M" in line]
-    assert ["'AHEAD': True" in line for line in named] == [False, False, True, True], printed
-    assert printed[-1].endswith("all 4 candidates ran")
 
 
 def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_path, capsys):
@@ -421,15 +411,6 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
         study.main(["--ship", str(run), "--to", str(elsewhere / "Other_GPU.json")])
     with pytest.raises(SystemExit):
         study.main(["--to", str(mine), "--kernel", "up"])
-
-
-def test_tile_study_refuses_ahead_for_a_kernel_without_it(capsys):
-    """``--ahead`` goes with the kernels that have the option (the down and column kernels):
-    with another it is an error naming both, before the study needs a GPU."""
-    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
-    with pytest.raises(SystemExit):
-        study.main(["--kernel", "up", "--ahead"])
-    assert "--ahead goes with --kernel down or cols, not up" in capsys.readouterr().err
 
 
 def test_host_study_checks_its_modes_and_cpus_before_it_needs_a_gpu():
@@ -968,13 +949,12 @@ def test_persistent_mlp_study_kernel_is_the_sparse_mlp(gated):
         study.persistent_sums(x, ids, w1, b1, w_up, w2_t, act, sums, pre, bar.float(), 3)
 
 
-@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
-def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, ahead):
+def test_down_kernel_study_step_form_is_the_sparse_mlp(gated):
     """``examples/down_kernel_study.py``'s down kernel in the decode step's form (under the
-    interpreter, three neuron tiles a program, the last cut short, the next tile's loads issued
-    ahead or not) finishes the reference sparse MLP's output from the up projection's
-    pre-activations, and leaves its workspace zero."""
+    interpreter, three neuron tiles a program, the last cut short) finishes the reference
+    sparse MLP's output from the up projection's pre-activations, and leaves its workspace
+    zero."""
     import triton
     from dejavu_compile.kernels import ops, reference, tuning
 
@@ -984,7 +964,7 @@ def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, ahead):
     want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, b2, act)
     pre = torch.stack([x @ w1[ids[0]].T, x @ (w_up if gated else w1)[ids[0]].T])
     space = torch.zeros(ops.workspace_numel(1, w2_t.shape[1], ids.shape[1], gated=True))
-    tile = triton.Config({"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3, "AHEAD": ahead}, num_warps=1)
+    tile = triton.Config({"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3}, num_warps=1)
     with tuning.pinned("sparse_mlp._down_kernel", tile):
         got = study.down_step(pre, ids, w2_t, b1, b2, act, space)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

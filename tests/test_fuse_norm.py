@@ -495,7 +495,7 @@ from dejavu_compile.kernels import heads, sparse_mlp, triton_common
 norm = {"res_ptr": "*fp16", "nrm_ptr": "*fp16", "nw_ptr": "*fp16", "nb_ptr": "*fp16",
         "stats_ptr": "*fp32", "rcnt_ptr": "*i32", "eps": "fp32"}
 sizes = dict(NORM=True, HAS_NB=True, BLOCK_T=512, BLOCK_ROW=8192, PDL=True, CLEAN=True,
-             FUSED=True, ATOMIC=True, stride_w2o=1, stride_wo=1, LATE=False, AHEAD=False)
+             FUSED=True, ATOMIC=True, stride_w2o=1, stride_wo=1, LATE=False)
 cases = [(sparse_mlp._down_kernel.fn,
           {"pre_ptr": "*fp32", "up_ptr": "*fp32", "idx_ptr": "*i64", "b1_ptr": "*fp16",
            "w2t_ptr": "*fp16", "out_ptr": "*fp32", "fin_ptr": "*fp16", "b2_ptr": "*fp16",

@@ -296,13 +296,11 @@ def _guarded(shape, dtype, fill, guard=256):
     return buf, buf[guard:guard + n].view(*shape)
 
 
-@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("block_m,unroll", [(8, 1), (8, 4), (16, 2), (64, 2)])
 @pytest.mark.parametrize("head_dim", [16, 12])
-def test_column_kernel_reads_and_writes_only_its_tensors(block_m, unroll, head_dim, ahead):
+def test_column_kernel_reads_and_writes_only_its_tensors(block_m, unroll, head_dim):
     """The output projection's column kernel at several of its tiles (the autotuner's
-    candidates, beyond the one the interpreter runs), loading each step's weights ahead of
-    the step before's products (``AHEAD``) or not, with fewer selected heads than a loop
+    candidates, beyond the one the interpreter runs), with fewer selected heads than a loop
     step takes and a last block of rows cut short: every tensor sits between NaN guards (the
     ids between guards of an id no head has), and the output matches the reference with its
     guards intact, so no load or store strays. The study of this kernel's tiles stopped with
@@ -324,7 +322,7 @@ def test_column_kernel_reads_and_writes_only_its_tensors(block_m, unroll, head_d
     heads._head_out_cols_kernel.fn[(1, triton.cdiv(d, block_m))](
         attn, ids, wt, wt, out, d, k, head_dim, attn.stride(0), ids.stride(0), wt.stride(1),
         out.stride(0), HAS_B=False, BLOCK_M=block_m, BLOCK_H=block_h, UNROLL=unroll,
-        EXACT=block_h == head_dim, PDL=False, AHEAD=ahead, num_warps=1)
+        EXACT=block_h == head_dim, PDL=False, num_warps=1)
     want = _ref64(ref.sparse_head_out, attn.view(1, 1, -1), ids.view(1, 1, k), wt, None,
                   head_dim).view(1, d)
     torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
@@ -816,18 +814,16 @@ def test_tile_kernels_loop_over_slices_of_d(deterministic, monkeypatch):
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-@pytest.mark.parametrize("tiles", [1, 2, 3])
-def test_down_kernel_first_tile_and_the_loop_after(tiles, ahead, monkeypatch):
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
     """The down kernel loads its first neuron tile before it waits for the up kernel and the
-    others in its loop: with one tile a program (no loop), two and three (the last past k),
-    each loading the next tile ahead of this one's products (``AHEAD``) or not, per-row ids,
-    with and without a workspace, against the reference; the workspace left zero."""
+    others in its loop: with one tile a program (no loop) and three (the last past k), per-row
+    ids, with and without a workspace, against the reference; the workspace left zero."""
     from dejavu_compile.kernels import ops
     from dejavu_compile.kernels import triton_common as tc
 
     monkeypatch.setattr(sparse_mlp._down_kernel, "configs",
-                        [tc.fixed_config({**tc.TILE_FIXED, "TILES": tiles, "AHEAD": ahead})])
+                        [tc.fixed_config({**tc.TILE_FIXED, "TILES": tiles})])
     d, n, d_out, k = 37, 90, 29, 2 * tc.TILE_FIXED["BLOCK_N"] + 3  # 3 tiles, the last short
     x = _rand(2, 1, d, dtype=torch.float32, seed=0)
     w1, w_up = _rand(n, d, dtype=torch.float32, seed=1), _rand(n, d, dtype=torch.float32, seed=2)
@@ -843,67 +839,6 @@ def test_down_kernel_first_tile_and_the_loop_after(tiles, ahead, monkeypatch):
                                         workspace=space)
             torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
         assert not workspace.any()
-
-
-def test_ahead_issues_the_next_tiles_loads_before_this_ones_products(tmp_path):
-    """Compiled for sm_90 (Triton's ptxas, no GPU needed; pointers and strides 16-aligned, as
-    the launches specialise them), the down kernel's loop holds one neuron tile's weight loads
-    in flight before the first products, and with ``AHEAD`` two: one tile's loads more before
-    the first multiply-add, for a plain and a gated MLP, at 2, 4 and 8 tiles a program. The
-    output projection's column kernel with ``AHEAD`` likewise loads a second step of heads
-    before its first product."""
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dejavu_compile.kernels import sparse_mlp
-fn = sparse_mlp._down_kernel.fn
-ptrs = {a: "*fp16" for a in fn.arg_names if a.endswith("_ptr")}
-ptrs.update(pre_ptr="*fp32", up_ptr="*fp32", out_ptr="*fp32", stats_ptr="*fp32",
-            idx_ptr="*i64", cnt_ptr="*i32", clean_ptr="*i32", rcnt_ptr="*i32", eps="fp32")
-for gated in (False, True):
-    for tiles in (2, 4, 8):
-        for ahead in (False, True):
-            const = dict(ACT=1 if gated else 0, HAS_B1=not gated, GATED=gated, ATOMIC=True,
-                         FUSED=True, HAS_B2=not gated, CLEAN=True, BLOCK_N=16, BLOCK_D=512,
-                         TILES=tiles, PDL=True, NORM=False, HAS_NB=False, BLOCK_T=1,
-                         BLOCK_ROW=1, stride_w2o=1, AHEAD=ahead)
-            sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
-            aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                       if a.endswith("_ptr") or a.startswith("stride") and a not in const}
-            ptx = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=aligned),
-                                 target=GPUTarget("cuda", 90, 32),
-                                 options=dict(num_warps=4)).asm["ptx"]
-            head = ptx[: ptx.index("fma.rn.f32")]
-            print(gated, tiles, ahead, head.count("ld.global.b16"))
-from dejavu_compile.kernels import heads
-fn = heads._head_out_cols_kernel.fn
-ptrs = {"a_ptr": "*fp16", "idx_ptr": "*i64", "w_ptr": "*fp16", "b_ptr": "*fp16",
-        "out_ptr": "*fp16"}
-for ahead in (False, True):
-    const = dict(HAS_B=True, BLOCK_M=8, BLOCK_H=128, UNROLL=4, EXACT=True, PDL=True,
-                 AHEAD=ahead)
-    sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-               if a.endswith("_ptr") or a.startswith("stride")}
-    ptx = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=aligned),
-                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
-    print("cols", ahead, ptx[: ptx.index("fma.rn.f32")].count("ld.global"))
-"""
-    stdout = compile_outside_interpreter(code, cwd=tmp_path)
-    rows = [line.split() for line in stdout.splitlines() if not line.startswith("cols")]
-    cols = {r[1]: int(r[2]) for r in (line.split() for line in stdout.splitlines())
-            if r[0] == "cols"}
-    assert len(rows) == 12 and len(cols) == 2, stdout
-    loads = {(r[0], r[1], r[2]): int(r[3]) for r in rows}
-    # a 16 x 512 fp16 tile over 128 threads: 64 two-byte loads a thread (ptxas merges them
-    # into 16-byte ones), one tile more before the first product with AHEAD
-    for gated, tiles in itertools.product(("False", "True"), ("2", "4", "8")):
-        assert loads[gated, tiles, "False"] >= 64, stdout
-        assert loads[gated, tiles, "True"] - loads[gated, tiles, "False"] == 64, stdout
-    # the column kernel's step at its shipped tile (8 rows, 4 heads of 128, 8 warps): 16
-    # two-byte weight loads a thread, and the activations'
-    assert cols["True"] - cols["False"] >= 16, stdout
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
