@@ -101,13 +101,28 @@ _TILES = {} if DEVICE == "cpu" else {
 _CONFIGS.update(_TILES)
 
 
-@pytest.mark.parametrize("dtype,bias,batch,hd", [(torch.float16, True, 1, 16),
-                                                  (torch.bfloat16, False, 2, 24)])
-@pytest.mark.parametrize("config", list(_CONFIGS))
-@pytest.mark.parametrize("grid", ["selection", "heads"])
+_SHAPES = [(torch.float16, True, 1, 16), (torch.bfloat16, False, 2, 24)]
+
+
+def _pairs():
+    """Each form of the product with each grid, the two shapes taking turns so that each form
+    and each grid meets both (every pair of the three covered; the whole product, 16 cases
+    under the interpreter, took 4 minutes of the suite, three of them the larger shape's)."""
+    return [(*_SHAPES[(i + j) % 2], config, grid) for i, config in enumerate(_CONFIGS)
+            for j, grid in enumerate(["selection", "heads"])]
+
+
+def _case_id(case):
+    dtype, bias, batch, hd, config, grid = case
+    return f"{str(dtype)[6:]}-{'bias' if bias else 'nobias'}-b{batch}-hd{hd}-{config}-{grid}"
+
+
+@pytest.mark.parametrize("dtype,bias,batch,hd,config,grid", _pairs(),
+                         ids=[_case_id(c) for c in _pairs()])
 def test_kernel_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """Odd sizes (d 40, head dim 24 over tiles of 16), one to three heads selected a step,
-    each form of the kernel's product, each grid (over the selection's slots, over heads)."""
+    each form of the kernel's product, each grid (over the selection's slots, over heads),
+    fp16 and bf16."""
     def kernel(*args):
         lazy_kv.lazy_kv(*args, config=_CONFIGS[config], grid=grid)
 
@@ -176,14 +191,21 @@ def _ref_qkv_on_state(x, idx, wq, bq, wk, bk, wv, bv, keys, values, pos):
                         state.valid)
 
 
-@pytest.mark.parametrize("dtype,bias,batch,hd,config", [
-    (torch.float16, True, 1, 16, "gemv4_split2"), (torch.bfloat16, False, 2, 24, "dot_split3"),
-    (torch.float16, True, 2, 16, "gemv1"), (torch.float16, False, 1, 24, "dot"),
-    *[(torch.float16, True, 1, 24, name) for name in _TILES]])
-@pytest.mark.parametrize("grid", ["selection", "heads"])
+_QUERY_CASES = [
+    (torch.float16, True, 1, 16, "gemv4_split2", "heads"),
+    (torch.bfloat16, False, 2, 24, "dot_split3", "selection"),
+    (torch.float16, True, 2, 16, "gemv1", "heads"), (torch.float16, False, 1, 24, "dot", "selection"),
+    *[(torch.float16, True, 1, 24, name, grid) for name in _TILES
+      for grid in ("selection", "heads")]]
+
+
+@pytest.mark.parametrize("dtype,bias,batch,hd,config,grid", _QUERY_CASES,
+                         ids=[_case_id(c) for c in _QUERY_CASES])
 def test_fused_query_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """``lazy_qkv``: the query of the selected heads (zeros for the others) from the same
-    launch as their keys and values, which stay as ``lazy_kv`` leaves them."""
+    launch as their keys and values, which stay as ``lazy_kv`` leaves them. Each form and
+    shape on one grid, each grid with two of them (``test_kernel_matches_the_reference`` runs
+    each form on both grids)."""
     gen = torch.Generator().manual_seed(11)
     wq, bq = _weights(5, hd, 40, dtype, gen, bias)[:2]
     got_q, want_q = [], []
