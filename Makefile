@@ -24,15 +24,15 @@ demo: install
 	$(PY) examples/demo.py
 
 # Two pytest processes, one per core of the CI machine (2 cores; the suite is mostly one
-# thread): the kernel, op, lazy K/V and real-model tests in one, the rest in the other. On 2
+# thread): the kernel, lazy K/V and real-model tests in one, the rest in the other. On 2
 # cores in the fourteenth session, with the calibration tests in the first group, it took
 # 14.8 minutes and the second 8.8; with them moved over, a clean clone's run took 15.0 and
 # 15.3 (17.6 in all with the install): the two compete for the cores. In the eighteenth
 # session the first took 14.8 and the second 19.9 minutes: the lazy K/V tests (about 2) moved
 # to the first. In the seventy-first the first took 31.0 and the second 25.3 minutes on a
-# two-core machine: the example tests (about 1) moved to the second, and both were cut.
-TESTS_A := tests/test_kernels.py tests/test_ops.py tests/test_real_models.py \
-	tests/test_lazy_kv.py
+# two-core machine: the example and op tests (about 1) moved to the second, and both were
+# cut, to 24.9 and 23.8 minutes before the op tests moved.
+TESTS_A := tests/test_kernels.py tests/test_real_models.py tests/test_lazy_kv.py
 
 test: install
 	@$(PY) -m pytest -q -p no:cacheprovider $(TESTS_A) > .pytest-a.log 2>&1 & a=$$!; \
