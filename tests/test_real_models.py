@@ -52,7 +52,7 @@ def test_real_model_discovery_and_exactness(real):
     layers, heads, inter = EXPECTED[real.name]
     ids = real.encode(documentation_text("held_out"), 24)
     # SmolLM2 decodes two steps: the second recompiles with dynamic shapes, and discovery must
-    # find every layer in that graph too; Gemma 3 one (its second compile took 15-20 s)
+    # find every layer in that graph too; Gemma 3 one, to spare the suite a third compile
     steps = 2 if real.name == "smollm2-135m" else 1
     with torch.no_grad():
         want = _decode_logits(real.model, ids, steps=steps)
@@ -78,7 +78,7 @@ def test_smollm2_rms_norms_fused_give_the_same_logits(loads):
     sparse MLP's residual add is fused, none is skipped, and on CPU, where the op's reference
     computes the module's own ops, the decoded logits equal those of the step without it.
     One decode step: a second would compile each model once more, with dynamic shapes (the
-    exactness test above decodes two on each real model)."""
+    exactness test above decodes two on SmolLM2)."""
     ids = loads("smollm2-135m").encode(documentation_text("held_out"), 24)
     logits, counters = {}, {}
     for fuse in (False, True):
