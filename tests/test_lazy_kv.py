@@ -104,12 +104,11 @@ _CONFIGS.update(_TILES)
 _SHAPES = [(torch.float16, True, 1, 16), (torch.bfloat16, False, 2, 24)]
 
 
-def _pairs():
-    """Each form of the product with each grid, the two shapes taking turns so that each form
-    and each grid meets both (every pair of the three covered; the whole product, 16 cases
-    under the interpreter, took 4 minutes of the suite, three of them the larger shape's)."""
-    return [(*_SHAPES[(i + j) % 2], config, grid) for i, config in enumerate(_CONFIGS)
-            for j, grid in enumerate(["selection", "heads"])]
+# each form of the product with each grid, the two shapes taking turns so that each form and
+# each grid meets both (every pair of the three covered; the whole product, 16 cases under the
+# interpreter, took 4 minutes of the suite, three of them the larger shape's)
+_KERNEL_CASES = [(*_SHAPES[(i + j) % 2], config, grid) for i, config in enumerate(_CONFIGS)
+                 for j, grid in enumerate(["selection", "heads"])]
 
 
 def _case_id(case):
@@ -117,8 +116,8 @@ def _case_id(case):
     return f"{str(dtype)[6:]}-{'bias' if bias else 'nobias'}-b{batch}-hd{hd}-{config}-{grid}"
 
 
-@pytest.mark.parametrize("dtype,bias,batch,hd,config,grid", _pairs(),
-                         ids=[_case_id(c) for c in _pairs()])
+@pytest.mark.parametrize("dtype,bias,batch,hd,config,grid", _KERNEL_CASES,
+                         ids=[_case_id(c) for c in _KERNEL_CASES])
 def test_kernel_matches_the_reference(dtype, bias, batch, hd, config, grid):
     """Odd sizes (d 40, head dim 24 over tiles of 16), one to three heads selected a step,
     each form of the kernel's product, each grid (over the selection's slots, over heads),
