@@ -109,7 +109,7 @@ _SHAPES = [(torch.float16, True, 1, 16), (torch.bfloat16, False, 2, 24)]
 # 16 cases, took 4 minutes of the suite, three of them the larger shape's); on a GPU the whole
 # product (36 cases with the decode tiles)
 _KERNEL_CASES = [(*shape, config, grid) for i, config in enumerate(_CONFIGS)
-                 for j, grid in enumerate(["selection", "heads"])
+                 for j, grid in enumerate(lazy_kv.GRIDS)
                  for shape in (_SHAPES if DEVICE == "cuda" else [_SHAPES[(i + j) % 2]])]
 
 
@@ -140,7 +140,7 @@ def test_kernel_matches_the_reference(dtype, bias, batch, hd, config, grid):
     assert not kv_state.lazy_state(got[0], 40, dtype).counts.any()
 
 
-@pytest.mark.parametrize("grid", ["selection", "heads"])
+@pytest.mark.parametrize("grid", lazy_kv.GRIDS)
 def test_kernel_takes_pads_repeats_and_a_shared_row(grid):
     """Selections as a union or a padded top-k can give them: ids of -1 and past the heads
     (ignored), a head named twice (computed once: its sums are added once), and one id row
@@ -197,7 +197,7 @@ _QUERY_CASES = [
     (torch.bfloat16, False, 2, 24, "dot_split3", "selection"),
     (torch.float16, True, 2, 16, "gemv1", "heads"), (torch.float16, False, 1, 24, "dot", "selection"),
     *[(torch.float16, True, 1, 24, name, grid) for name in _TILES
-      for grid in ("selection", "heads")]]
+      for grid in lazy_kv.GRIDS]]
 
 
 @pytest.mark.parametrize("dtype,bias,batch,hd,config,grid", _QUERY_CASES,
