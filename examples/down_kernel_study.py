@@ -12,10 +12,8 @@ bytes read. About 3 minutes per shape on an H200 (compiling each config):
 ``--flags`` times the package's own ``_down_kernel`` on the Llama-3-8B down projection at
 density 0.5 (``--shape opt``: OPT-13B's at 0.1) as the decode step runs it (gated with SiLU,
 or ReLU with biases; finishing its output, leaving its workspace zero) against plainer forms,
-over a grid of fixed configs (with ``--ids-ahead`` each with and without ``IDS_AHEAD``, the
-next tile's ids loaded with this tile's rows), and the whole op (up and down kernels) against
-its up kernel: what the step's extra work costs, and whether the autotuned tile is the best
-one for it.
+over a grid of fixed configs, and the whole op (up and down kernels) against its up kernel:
+what the step's extra work costs, and whether the autotuned tile is the best one for it.
 """
 import argparse
 import itertools
@@ -157,10 +155,9 @@ FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8,
 FLAG_SHAPES = {"llama": (14336, 64, 4096, True), "opt": (20480, 13, 5120, False)}
 
 
-def flags_study(shape: str = "llama", step_only: bool = False, ids_ahead: bool = False) -> None:
+def flags_study(shape: str = "llama", step_only: bool = False) -> None:
     """The package's down kernel with the decode step's flags, and the whole sparse MLP;
-    ``step_only``: the down kernel in the step's form only, not the plainer forms too;
-    ``ids_ahead``: each fixed config with the kernel's ``IDS_AHEAD`` on too."""
+    ``step_only``: the down kernel in the step's form only, not the plainer forms too."""
     from dejavu_compile.kernels import ops, tuning
 
     n, per_bucket, d, gated = FLAG_SHAPES[shape]
@@ -200,15 +197,13 @@ def flags_study(shape: str = "llama", step_only: bool = False, ids_ahead: bool =
         auto = bench(lambda i, kw=kw: step_form(i, **kw))
         print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
               f"{gb / auto * 1e3:.0f} GB/s ({sm._down_kernel.best_config})", flush=True)
-        for (bn, bd, tiles, warps), early in itertools.product(FLAG_CONFIGS,
-                                                               (False, True) if ids_ahead
-                                                               else (False,)):
-            cfg = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles,
-                                 "IDS_AHEAD": early}, num_warps=warps, num_stages=3)
+        for bn, bd, tiles, warps in FLAG_CONFIGS:
+            cfg = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles},
+                                num_warps=warps, num_stages=3)
             with tuning.pinned("sparse_mlp._down_kernel", cfg):
                 t = bench(lambda i, kw=kw: step_form(i, **kw))
             print(f"   {t * 1e3:7.1f} us {gb / t * 1e3:6.0f} GB/s  bn{bn} bd{bd} t{tiles} "
-                  f"w{warps}{' ids-ahead' if early else ''}", flush=True)
+                  f"w{warps}", flush=True)
 
 
 def main() -> None:
@@ -219,13 +214,10 @@ def main() -> None:
                         help="with --flags: Llama-3-8B at MLP density 0.5 or OPT-13B at 0.1")
     parser.add_argument("--step-only", action="store_true",
                         help="with --flags: the down kernel in the step's form only")
-    parser.add_argument("--ids-ahead", action="store_true",
-                        help="with --flags: each fixed config with IDS_AHEAD on too (each "
-                             "step loads the next tile's ids with this tile's rows)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.flags:
-        flags_study(args.shape, args.step_only, args.ids_ahead)
+        flags_study(args.shape, args.step_only)
         return
     for shape in SHAPES:
         study(*shape)

@@ -28,9 +28,7 @@ with each of the ``--pairs`` fastest tiles of one paired with each of the other'
 and writes the fastest pair: a tile found with the other kernel autotuned need not be the best
 beside another (OPT-13B's MLP at density 0.1 ran 17.9 us with a pair the autotuner chose, and
 19.6 with the study's fastest down tile beside an autotuned up tile: BENCHMARKS.md,
-twenty-fourth session). ``--ids-ahead`` (``down``) times each candidate again with the
-kernel's ``IDS_AHEAD`` on: each step of its loop loads the next tile's ids with this tile's
-rows.
+twenty-fourth session).
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from dejavu_compile.kernels import heads, ops, sparse_mlp, tuning
 from triton.runtime.errors import OutOfResources
 
@@ -49,16 +46,6 @@ from dejavu_compile import bench
 KERNELS = {"up": "sparse_mlp._up_kernel", "down": "sparse_mlp._down_kernel",
            "q": "heads._head_proj_kernel", "out": "heads._head_out_kernel",
            "cols": "heads._head_out_cols_kernel"}
-
-
-def candidates(tuner, ids_ahead: bool = False) -> list:
-    """The autotuner's configs, then, with ``ids_ahead``, each of them with ``IDS_AHEAD`` on
-    (the down kernel's option, not among its autotuner's configs)."""
-    configs = list(tuner.configs)
-    if ids_ahead:
-        configs += [triton.Config({**c.kwargs, "IDS_AHEAD": True}, num_warps=c.num_warps,
-                                  num_stages=c.num_stages) for c in configs]
-    return configs
 
 
 def _case(cfg, kernel: str, density: float, dtype):
@@ -95,11 +82,10 @@ def _case(cfg, kernel: str, density: float, dtype):
 
 @torch.no_grad()
 def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int = 12,
-          case=None, ids_ahead: bool = False):
+          case=None):
     """Rows (one per candidate, fastest first) and the best candidate's entry
     ``{"key": ..., "config": ...}`` for the key the op tunes; ``case``: ``_case``'s op, dense
-    and bytes if already built (``pair_study``'s, which both MLP kernels share);
-    ``ids_ahead``: each candidate with ``IDS_AHEAD`` on too (``candidates``)."""
+    and bytes if already built (``pair_study``'s, which both MLP kernels share)."""
     name = KERNELS[kernel]
     tuner = tuning.autotuners()[name]
     op, dense, nbytes = case or _case(bench.shape_configs()[model], kernel, density, dtype)
@@ -108,7 +94,7 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
     keys = [key for key in tuner.cache if key not in before]
     dense_ms = bench._time_layers(dense, bench.LAYERS)[0]
     rows = []
-    for config in candidates(tuner, ids_ahead):
+    for config in list(tuner.configs):
         with tuning.pinned(name, config):
             try:
                 ms = bench._time_layers(op, bench.LAYERS)[0]
@@ -203,8 +189,6 @@ def main(argv=None):
                    help="with --kernel mlp: pair this many fastest tiles of each kernel")
     p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])
     p.add_argument("--json", help="write the rows and the fastest tile per key here")
-    p.add_argument("--ids-ahead", action="store_true",
-                   help="with --kernel down: each candidate with its option IDS_AHEAD on too")
     p.add_argument("--check", action="store_true",
                    help="only run each candidate once, synchronised, naming it first (no "
                         "timing): with CUDA_LAUNCH_BLOCKING=1, the tile that faults")
@@ -235,8 +219,6 @@ def main(argv=None):
         return
     if args.kernel is None:
         p.error("--kernel is required (unless --ship)")
-    if args.ids_ahead and args.kernel != "down":
-        p.error(f"--ids-ahead goes with --kernel down, not {args.kernel}")
     if not torch.cuda.is_available():
         raise SystemExit("tile_study needs a CUDA GPU")
     bench.check_densities(args.densities)
@@ -254,7 +236,7 @@ def main(argv=None):
                 done, entries = pair_study(model, density, args.pairs)
                 results.extend(done)
             else:
-                result, best = study(model, args.kernel, density, ids_ahead=args.ids_ahead)
+                result, best = study(model, args.kernel, density)
                 results.append(result)
                 entries = [{"kernel": result["kernel"], **best}] if best is not None else []
             for e in entries:

@@ -185,24 +185,13 @@ def _up_store_kernel(
 
 
 @triton.jit
-def _down_ids(ids, offs_n, K, more=True):
-    """The ids at ``offs_n``: -1 past ``K``, or where ``more`` is false."""
-    return tl.load(ids + offs_n, mask=(offs_n < K) & more, other=-1).to(tl.int64)
-
-
-@triton.jit
-def _down_rows(neurons, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o):
-    """The rows of ``W2_t`` of ``neurons`` at ``offs_o`` (zeros for -1: past K or union
-    padding)."""
-    return tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
-                   mask=(neurons >= 0)[:, None] & mask_o[None, :], other=0.0)
-
-
-@triton.jit
 def _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o):
     """The ids at ``offs_n`` (-1 past ``K``) and their rows of ``W2_t`` at ``offs_o``."""
-    neurons = _down_ids(ids, offs_n, K)
-    return neurons, _down_rows(neurons, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o)
+    neurons = tl.load(ids + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+    valid = neurons >= 0  # -1: past K or union padding
+    w2 = tl.load(w2t_ptr + neurons[:, None] * stride_w2n + offs_o[None, :] * stride_w2o,
+                 mask=valid[:, None] & mask_o[None, :], other=0.0)
+    return neurons, w2
 
 
 @triton.jit
@@ -251,9 +240,6 @@ def _down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
     NORM: tl.constexpr = False, HAS_NB: tl.constexpr = False, BLOCK_T: tl.constexpr = 1,
     BLOCK_ROW: tl.constexpr = 1,
-    # IDS_AHEAD: each step of the loop loads the next tile's ids with this tile's rows, so a
-    # step's row loads wait on no id load of their own (the same sums in the same order)
-    IDS_AHEAD: tl.constexpr = False,
 ):
     row, pid_n, pid_o = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_o = pid_o * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -264,8 +250,6 @@ def _down_kernel(
     # while the up kernel may still run (``start_dependents``)
     offs_n = pid_n * TILES * BLOCK_N + tl.arange(0, BLOCK_N)
     neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n, stride_w2o)
-    if IDS_AHEAD:  # the second tile's ids too
-        ids_next = _down_ids(ids, offs_n + BLOCK_N, K, TILES > 1)
     wait_inputs(PDL)  # the pre-activations are the up kernel's, the kernel before
     if NORM:  # the residual (an earlier kernel's): loaded now, so the finish waits on no load
         res = tl.load(res_ptr + row * stride_out + offs_o, mask=mask_o, other=0.0)
@@ -276,20 +260,15 @@ def _down_kernel(
     # loop stages nothing through shared memory: a step loads its tile's ids, then the rows
     # they name, then adds their products, one tile's loads in flight at a time. (Loading the
     # next tile's rows before this tile's products, in registers, was slower at the best tiles
-    # on an H100: BENCHMARKS.md, seventy-first session.) With IDS_AHEAD a step loads its rows
-    # (their ids came a step earlier) and the next tile's ids together: one round trip a step
-    # instead of two, at the cost of BLOCK_N ids in registers
+    # on an H100: BENCHMARKS.md, seventy-first session; loading only the next tile's ids with
+    # this tile's rows, one round trip a step instead of two, was no faster there either:
+    # seventy-third session, ``IDS_AHEAD`` in 2be971f)
     acc = _down_add(tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32), w2, neurons, pre_row,
                     up_row, b1_ptr, offs_n, K, ACT, HAS_B1, GATED)
     for t in range(1, TILES):
         offs_n = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if IDS_AHEAD:
-            neurons = ids_next
-            w2 = _down_rows(neurons, w2t_ptr, offs_o, mask_o, stride_w2n, stride_w2o)
-            ids_next = _down_ids(ids, offs_n + BLOCK_N, K, t + 1 < TILES)
-        else:
-            neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n,
-                                     stride_w2o)
+        neurons, w2 = _down_tile(ids, w2t_ptr, offs_n, K, offs_o, mask_o, stride_w2n,
+                                 stride_w2o)
         acc = _down_add(acc, w2, neurons, pre_row, up_row, b1_ptr, offs_n, K, ACT, HAS_B1,
                         GATED)
     add_partial(out_ptr + pid_n * stride_part + row * stride_out + offs_o, tl.sum(acc, 0), mask_o,

@@ -413,26 +413,6 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
         study.main(["--to", str(mine), "--kernel", "up"])
 
 
-def test_tile_study_ids_ahead_adds_each_down_candidate_with_the_option(capsys):
-    """``--ids-ahead``: the down kernel's candidates, then each again with ``IDS_AHEAD`` on
-    (its launch options kept); with another kernel it is an error naming it, before the
-    study needs a GPU."""
-    from dejavu_compile.kernels import tuning
-
-    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
-    tuner = tuning.autotuners()[study.KERNELS["down"]]
-    assert study.candidates(tuner) == list(tuner.configs)
-    both = study.candidates(tuner, ids_ahead=True)
-    n = len(tuner.configs)
-    assert len(both) == 2 * n and both[:n] == list(tuner.configs)
-    for plain, early in zip(both[:n], both[n:], strict=True):
-        assert early.kwargs == {**plain.kwargs, "IDS_AHEAD": True}
-        assert (early.num_warps, early.num_stages) == (plain.num_warps, plain.num_stages)
-    with pytest.raises(SystemExit):
-        study.main(["--kernel", "cols", "--ids-ahead"])
-    assert "--ids-ahead goes with --kernel down, not cols" in capsys.readouterr().err
-
-
 def test_host_study_checks_its_modes_and_cpus_before_it_needs_a_gpu():
     """``host_study``: a mode that is neither HF compiled nor a bench dejavu mode, or a CPU this
     process may not run on, is refused by name before any model is built."""
@@ -969,13 +949,12 @@ def test_persistent_mlp_study_kernel_is_the_sparse_mlp(gated):
         study.persistent_sums(x, ids, w1, b1, w_up, w2_t, act, sums, pre, bar.float(), 3)
 
 
-@pytest.mark.parametrize("ids_ahead", [False, True])
 @pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
-def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, ids_ahead):
+def test_down_kernel_study_step_form_is_the_sparse_mlp(gated):
     """``examples/down_kernel_study.py``'s down kernel in the decode step's form (under the
-    interpreter, three neuron tiles a program, the last cut short, each step loading the next
-    tile's ids with this one's rows or not) finishes the reference sparse MLP's output from
-    the up projection's pre-activations, and leaves its workspace zero."""
+    interpreter, three neuron tiles a program, the last cut short) finishes the reference
+    sparse MLP's output from the up projection's pre-activations, and leaves its workspace
+    zero."""
     import triton
     from dejavu_compile.kernels import ops, reference, tuning
 
@@ -985,8 +964,7 @@ def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, ids_ahead):
     want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, b2, act)
     pre = torch.stack([x @ w1[ids[0]].T, x @ (w_up if gated else w1)[ids[0]].T])
     space = torch.zeros(ops.workspace_numel(1, w2_t.shape[1], ids.shape[1], gated=True))
-    tile = triton.Config({"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3, "IDS_AHEAD": ids_ahead},
-                         num_warps=1)
+    tile = triton.Config({"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3}, num_warps=1)
     with tuning.pinned("sparse_mlp._down_kernel", tile):
         got = study.down_step(pre, ids, w2_t, b1, b2, act, space)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -814,18 +814,16 @@ def test_tile_kernels_loop_over_slices_of_d(deterministic, monkeypatch):
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-@pytest.mark.parametrize("tiles,ids_ahead", [(1, False), (3, False), (2, True), (3, True)])
-def test_down_kernel_first_tile_and_the_loop_after(tiles, ids_ahead, monkeypatch):
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_down_kernel_first_tile_and_the_loop_after(tiles, monkeypatch):
     """The down kernel loads its first neuron tile before it waits for the up kernel and the
-    others in its loop: with one tile a program (no loop), two (the second program's second
-    tile past k) and three (the last short), each step loading the next tile's ids with this
-    one's rows (``IDS_AHEAD``) or not, per-row ids, with and without a workspace, against the
-    reference; the workspace left zero."""
+    others in its loop: with one tile a program (no loop) and three (the last past k), per-row
+    ids, with and without a workspace, against the reference; the workspace left zero."""
     from dejavu_compile.kernels import ops
     from dejavu_compile.kernels import triton_common as tc
 
-    monkeypatch.setattr(sparse_mlp._down_kernel, "configs", [tc.fixed_config(
-        {**tc.TILE_FIXED, "TILES": tiles, "IDS_AHEAD": ids_ahead})])
+    monkeypatch.setattr(sparse_mlp._down_kernel, "configs",
+                        [tc.fixed_config({**tc.TILE_FIXED, "TILES": tiles})])
     d, n, d_out, k = 37, 90, 29, 2 * tc.TILE_FIXED["BLOCK_N"] + 3  # 3 tiles, the last short
     x = _rand(2, 1, d, dtype=torch.float32, seed=0)
     w1, w_up = _rand(n, d, dtype=torch.float32, seed=1), _rand(n, d, dtype=torch.float32, seed=2)
