@@ -12,8 +12,9 @@ bytes read. About 3 minutes per shape on an H200 (compiling each config):
 ``--flags`` times the package's own ``_down_kernel`` on the Llama-3-8B down projection at
 density 0.5 (``--shape opt``: OPT-13B's at 0.1) as the decode step runs it (gated with SiLU,
 or ReLU with biases; finishing its output, leaving its workspace zero) against plainer forms,
-over a grid of fixed configs, and the whole op (up and down kernels) against its up kernel:
-what the step's extra work costs, and whether the autotuned tile is the best one for it.
+over a grid of fixed configs (``--tiles``: others, beyond the autotuner's candidates), and
+the whole op (up and down kernels) against its up kernel: what the step's extra work costs,
+and whether the autotuned tile is the best one for it.
 """
 import argparse
 import itertools
@@ -155,9 +156,26 @@ FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8,
 FLAG_SHAPES = {"llama": (14336, 64, 4096, True), "opt": (20480, 13, 5120, False)}
 
 
-def flags_study(shape: str = "llama", step_only: bool = False) -> None:
+def tile(text: str) -> tuple[int, int, int, int]:
+    """A fixed config given as ``NxDxTxW``: BLOCK_N, BLOCK_D, TILES and warps, each a power of
+    two (``--tiles``)."""
+    parts = text.lower().split("x")
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 4 or any(v < 1 or v & (v - 1) for v in values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a tile is BLOCK_N x BLOCK_D x TILES x warps, four powers of two "
+            f"joined by 'x' (16x512x4x4)")
+    return values
+
+
+def flags_study(shape: str = "llama", step_only: bool = False, configs=None) -> None:
     """The package's down kernel with the decode step's flags, and the whole sparse MLP;
-    ``step_only``: the down kernel in the step's form only, not the plainer forms too."""
+    ``step_only``: the down kernel in the step's form only, not the plainer forms too;
+    ``configs``: the fixed configs to time (``(BLOCK_N, BLOCK_D, TILES, warps)``; default
+    ``FLAG_CONFIGS``)."""
     from dejavu_compile.kernels import ops, tuning
 
     n, per_bucket, d, gated = FLAG_SHAPES[shape]
@@ -197,7 +215,7 @@ def flags_study(shape: str = "llama", step_only: bool = False) -> None:
         auto = bench(lambda i, kw=kw: step_form(i, **kw))
         print(f"-- down kernel, {name}: autotuned {auto * 1e3:.1f} us "
               f"{gb / auto * 1e3:.0f} GB/s ({sm._down_kernel.best_config})", flush=True)
-        for bn, bd, tiles, warps in FLAG_CONFIGS:
+        for bn, bd, tiles, warps in configs or FLAG_CONFIGS:
             cfg = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles},
                                 num_warps=warps, num_stages=3)
             with tuning.pinned("sparse_mlp._down_kernel", cfg):
@@ -214,10 +232,16 @@ def main() -> None:
                         help="with --flags: Llama-3-8B at MLP density 0.5 or OPT-13B at 0.1")
     parser.add_argument("--step-only", action="store_true",
                         help="with --flags: the down kernel in the step's form only")
+    parser.add_argument("--tiles", nargs="+", type=tile, metavar="NxDxTxW",
+                        help="with --flags: time these fixed configs (BLOCK_N x BLOCK_D x "
+                             "TILES x warps, any, not only the autotuner's candidates) instead "
+                             "of the study's own 16")
     args = parser.parse_args()
+    if args.tiles and not args.flags:
+        parser.error("--tiles goes with --flags")
     torch.manual_seed(0)
     if args.flags:
-        flags_study(args.shape, args.step_only)
+        flags_study(args.shape, args.step_only, args.tiles)
         return
     for shape in SHAPES:
         study(*shape)

@@ -4,8 +4,11 @@ studies need a GPU and the demo minutes."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -411,6 +414,24 @@ def test_tile_study_ship_merges_a_study_into_the_shipped_file(monkeypatch, tmp_p
         study.main(["--ship", str(run), "--to", str(elsewhere / "Other_GPU.json")])
     with pytest.raises(SystemExit):
         study.main(["--to", str(mine), "--kernel", "up"])
+
+
+def test_down_kernel_study_reads_tiles_and_refuses_malformed_ones(capsys):
+    """``--tiles``: each ``NxDxTxW`` becomes (BLOCK_N, BLOCK_D, TILES, warps); a tile that is
+    not four powers of two, or ``--tiles`` without ``--flags``, is an error naming it before
+    the study needs a GPU."""
+    study = load_example(Path(__file__).parents[1] / "examples" / "down_kernel_study.py")
+    assert study.tile("128x128x1x8") == (128, 128, 1, 8)
+    assert study.tile("16X512X4X4") == (16, 512, 4, 4)
+    for bad in ("128x128x1", "128x96x1x8", "axbxcxd", "0x128x1x8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            study.tile(bad)
+    for argv, said in ((["--flags", "--tiles", "16x512x3x4"], "'16x512x3x4'"),
+                       (["--tiles", "16x512x4x4"], "--tiles goes with --flags")):
+        with mock.patch.object(sys, "argv", ["down_kernel_study.py", *argv]), \
+                pytest.raises(SystemExit):
+            study.main()
+        assert said in capsys.readouterr().err
 
 
 def test_host_study_checks_its_modes_and_cpus_before_it_needs_a_gpu():
@@ -949,10 +970,12 @@ def test_persistent_mlp_study_kernel_is_the_sparse_mlp(gated):
         study.persistent_sums(x, ids, w1, b1, w_up, w2_t, act, sums, pre, bar.float(), 3)
 
 
+@pytest.mark.parametrize("shape", [(4, 16, 3), (16, 32, 1)], ids=["loop", "one_tile"])
 @pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
-def test_down_kernel_study_step_form_is_the_sparse_mlp(gated):
+def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, shape):
     """``examples/down_kernel_study.py``'s down kernel in the decode step's form (under the
-    interpreter, three neuron tiles a program, the last cut short) finishes the reference
+    interpreter; three neuron tiles a program, the last cut short, or one tile wider than the
+    selection, as a ``--tiles`` config beyond the autotuner's may be) finishes the reference
     sparse MLP's output from the up projection's pre-activations, and leaves its workspace
     zero."""
     import triton
@@ -964,7 +987,8 @@ def test_down_kernel_study_step_form_is_the_sparse_mlp(gated):
     want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, b2, act)
     pre = torch.stack([x @ w1[ids[0]].T, x @ (w_up if gated else w1)[ids[0]].T])
     space = torch.zeros(ops.workspace_numel(1, w2_t.shape[1], ids.shape[1], gated=True))
-    tile = triton.Config({"BLOCK_N": 4, "BLOCK_D": 16, "TILES": 3}, num_warps=1)
+    bn, bd, tiles = shape
+    tile = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles}, num_warps=1)
     with tuning.pinned("sparse_mlp._down_kernel", tile):
         got = study.down_step(pre, ids, w2_t, b1, b2, act, space)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
