@@ -224,7 +224,7 @@ def flags_study(shape: str = "llama", step_only: bool = False, configs=None) -> 
                   f"w{warps}", flush=True)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flags", action="store_true",
                         help="the package's down kernel in the decode step's form")
@@ -236,7 +236,7 @@ def main() -> None:
                         help="with --flags: time these fixed configs (BLOCK_N x BLOCK_D x "
                              "TILES x warps, any, not only the autotuner's candidates) instead "
                              "of the study's own 16")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiles and not args.flags:
         parser.error("--tiles goes with --flags")
     torch.manual_seed(0)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -428,9 +426,8 @@ def test_down_kernel_study_reads_tiles_and_refuses_malformed_ones(capsys):
             study.tile(bad)
     for argv, said in ((["--flags", "--tiles", "16x512x3x4"], "'16x512x3x4'"),
                        (["--tiles", "16x512x4x4"], "--tiles goes with --flags")):
-        with mock.patch.object(sys, "argv", ["down_kernel_study.py", *argv]), \
-                pytest.raises(SystemExit):
-            study.main()
+        with pytest.raises(SystemExit):
+            study.main(argv)
         assert said in capsys.readouterr().err
 
 
