@@ -11,7 +11,8 @@ bytes read. About 3 minutes per shape on an H200 (compiling each config):
 
 ``--flags`` times the package's own ``_down_kernel`` on the Llama-3-8B down projection at
 density 0.5 (``--shape opt``: OPT-13B's at 0.1) as the decode step runs it (gated with SiLU,
-or ReLU with biases; finishing its output, leaving its workspace zero) against plainer forms,
+or ReLU with biases; zeroing the pre-activations it read, leaving its sums to the add-norm
+launch after it) against the form that finishes its output and plainer forms,
 over a grid of fixed configs (``--tiles``: others, beyond the autotuner's candidates), and
 the whole op (up and down kernels) against its up kernel: what the step's extra work costs,
 and whether the autotuned tile is the best one for it.
@@ -125,24 +126,27 @@ def study(name: str, n: int, k: int, dout: int) -> None:
 
 
 def down_step(pre, ids, w2_t, b1, b2, act: str, workspace, clean: bool = True,
-              plain: bool = False) -> torch.Tensor:
+              plain: bool = False, finish: bool | None = None) -> torch.Tensor:
     """The package's down kernel as the decode step runs it on a workspace (its launcher,
     ``sparse_mlp._launch_down``; pin a config with ``tuning.pinned``), over ``pre`` [2, 1, k]
     (pre-activations; up values of a gated MLP, ``act`` silu) of one row's ``ids`` [1, k] and
-    ``W2_t`` [N, d], with ``b1``/``b2`` (None for a gated MLP). ``clean``: it finishes its
-    output (returned, in W's dtype) and leaves the workspace zero; otherwise it leaves the
-    sums (returned) and counters for a kernel after it. ``plain``: ReLU, no gate, no
-    biases."""
+    ``W2_t`` [N, d], with ``b1``/``b2`` (None for a gated MLP). ``clean``: the last program to
+    read each tile of ``pre`` zeroes it; ``finish`` (by default as ``clean``): it finishes its
+    output (returned, in W's dtype) and leaves the sums and counters zero, otherwise it leaves
+    the fp32 sums (returned) for a kernel after it. The default decode step, whose add-norm
+    launch finishes the sums (``DEJAVU_NORM_FINISH`` "sums"), cleans and does not finish.
+    ``plain``: ReLU, no gate, no biases."""
     from dejavu_compile.kernels import triton_common as tc
 
+    finish = clean if finish is None else finish
     (k, d), gated = (ids.shape[1], w2_t.shape[1]), act == "silu"
     _, sums, cnt, fin, cl = tc.workspace_targets(workspace, 1, d, (1 + gated) * k, k,
                                                  w2_t.dtype)
     bias = not gated and not plain
     sm._launch_down(pre, ids, b1 if bias else None, w2_t, sums[None], "relu" if plain else act,
-                    gated and not plain, False, fin=fin, b2=b2 if bias and clean else None,
-                    cnt=cnt, clean=cl if clean else None, finish=clean)
-    return fin if clean else sums
+                    gated and not plain, False, fin=fin, b2=b2 if bias and finish else None,
+                    cnt=cnt, clean=cl if clean else None, finish=finish)
+    return fin if finish else sums
 
 
 FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8, 8),
@@ -204,11 +208,15 @@ def flags_study(shape: str = "llama", step_only: bool = False, configs=None) -> 
     print(f"   up kernel alone: {up * 1e3:.1f} us, {n_up * gb / up * 1e3:.0f} GB/s "
           f"({sm._up_kernel.best_config})", flush=True)
 
-    def step_form(i, clean=True, plain=False):
-        down_step(pre, ids, w2s[i], b1, b2, act, ws, clean=clean, plain=plain)
+    def step_form(i, clean=True, plain=False, finish=None):
+        down_step(pre, ids, w2s[i], b1, b2, act, ws, clean=clean, plain=plain, finish=finish)
 
     what = "gated, SiLU" if gated else "ReLU, biases"
-    forms = [(f"step form ({what}, finish, clean)", dict(clean=True)),
+    # the first the default step's: the add-norm launch after it finishes the sums; before the
+    # seventy-fourth session the study's first (and --step-only's) form was the finishing one
+    forms = [(f"step form ({what}, clean, sums left to the add-norm)",
+              dict(clean=True, finish=False)),
+             (f"{what}, finish, clean", dict(clean=True)),
              (f"{what}, no finish or clean", dict(clean=False)),
              ("ReLU, no gate, bias, finish or clean", dict(clean=False, plain=True))]
     for name, kw in forms[:1] if step_only else forms:

@@ -967,26 +967,34 @@ def test_persistent_mlp_study_kernel_is_the_sparse_mlp(gated):
         study.persistent_sums(x, ids, w1, b1, w_up, w2_t, act, sums, pre, bar.float(), 3)
 
 
+@pytest.mark.parametrize("finish", [False, True], ids=["sums_left", "finished"])
 @pytest.mark.parametrize("shape", [(4, 16, 3), (16, 32, 1)], ids=["loop", "one_tile"])
 @pytest.mark.parametrize("gated", [False, True], ids=["relu_biases", "silu_gated"])
-def test_down_kernel_study_step_form_is_the_sparse_mlp(gated, shape):
-    """``examples/down_kernel_study.py``'s down kernel in the decode step's form (under the
+def test_down_kernel_study_step_forms_are_the_sparse_mlp(gated, shape, finish):
+    """``examples/down_kernel_study.py``'s down kernel in the decode step's forms (under the
     interpreter; three neuron tiles a program, the last cut short, or one tile wider than the
-    selection, as a ``--tiles`` config beyond the autotuner's may be) finishes the reference
-    sparse MLP's output from the up projection's pre-activations, and leaves its workspace
-    zero."""
+    selection, as a ``--tiles`` config beyond the autotuner's may be), from the up
+    projection's pre-activations: the finishing form gives the reference sparse MLP's output
+    and leaves its workspace zero; the default step's (the add-norm launch after it finishes
+    the sums) leaves that output less its bias as fp32 sums. Both zero the pre-activations
+    they read."""
     import triton
     from dejavu_compile.kernels import ops, reference, tuning
 
     study = load_example(Path(__file__).parents[1] / "examples" / "down_kernel_study.py")
     x, ids, w1, b1, w_up, w2_t, act = _mlp_case(gated, 3)
     b2 = None if gated else torch.randn(w2_t.shape[1], generator=torch.Generator().manual_seed(4))
-    want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, b2, act)
+    want = reference.sparse_mlp(x, ids, w1, b1, w_up, w2_t, b2 if finish else None, act)
     pre = torch.stack([x @ w1[ids[0]].T, x @ (w_up if gated else w1)[ids[0]].T])
     space = torch.zeros(ops.workspace_numel(1, w2_t.shape[1], ids.shape[1], gated=True))
     bn, bd, tiles = shape
     tile = triton.Config({"BLOCK_N": bn, "BLOCK_D": bd, "TILES": tiles}, num_warps=1)
     with tuning.pinned("sparse_mlp._down_kernel", tile):
-        got = study.down_step(pre, ids, w2_t, b1, b2, act, space)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert not space.any()
+        got = study.down_step(pre, ids, w2_t, b1, b2, act, space, finish=finish)
+    if finish:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert not space.any()
+    else:
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.view(-1), want.view(-1).float(), rtol=1e-4, atol=1e-4)
+    assert not pre[:1 + gated].any()  # (a plain MLP reads only the first)
