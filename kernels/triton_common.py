@@ -764,9 +764,14 @@ def reduce_configs() -> list[triton.Config]:
     # examples/down_kernel_study.py on an H200. Loops of 16 are left out: at the Llama-3-8B
     # down projection at density 0.5 they ran 15-65% slower than loops of 8 for every tile
     # shape, in the decode step's form and the plain one (``--flags``, twelfth session), yet
-    # the autotuner picked one in a bench run (26 against 22 us a layer)
-    shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8),
-              (16, 512, 4), (32, 512, 4)]
+    # the autotuner picked one in a bench run (26 against 22 us a layer). 128 x 64 (4 warps)
+    # joined in the seventy-fourth session: on an H100 it was the fastest of four tiles of
+    # OPT-13B's down projection at 0.1 leaving its sums unfinished (as the step does, which
+    # also zeroes the pre-activations), 9.7 us in loops of 4 against 10.5 for 64 x 128 and
+    # 11.3 for the shipped 16 x 512, and second only to the autotuned tile on Llama-3-8B's at
+    # 0.5 with the finish (seventy-third session); not yet timed inside a step
+    shapes = [(16, 128, 4), (32, 128, 4), (64, 128, 4), (128, 64, 4), (32, 256, 4),
+              (64, 256, 8), (16, 512, 4), (32, 512, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_D": d, "TILES": t}, num_warps=w)
             for n, d, w in shapes for t in (1, 2, 4, 8)]
 
