@@ -29,6 +29,13 @@ and writes the fastest pair: a tile found with the other kernel autotuned need n
 beside another (OPT-13B's MLP at density 0.1 ran 17.9 us with a pair the autotuner chose, and
 19.6 with the study's fastest down tile beside an autotuned up tile: BENCHMARKS.md,
 twenty-fourth session).
+
+``--step`` (with ``up``, ``down`` or ``mlp``) times the MLP as the default decode step runs it
+instead of as the sweep does: the ids a bucketed selector keeps (the step's tuning keys:
+OPT-13B's MLP at 0.1 keeps 2080 neurons, the sweep's 2048), OPT's biases, and the residual
+add and norm after it, in the add-norm launch that finishes the down kernel's sums. The
+sweep's form finishes them in the down kernel; on an H100 the down kernel's tiles ranked
+differently in the two forms (BENCHMARKS.md, seventy-fourth session).
 """
 from __future__ import annotations
 
@@ -48,24 +55,31 @@ KERNELS = {"up": "sparse_mlp._up_kernel", "down": "sparse_mlp._down_kernel",
            "cols": "heads._head_out_cols_kernel"}
 
 
-def _case(cfg, kernel: str, density: float, dtype):
+def _case(cfg, kernel: str, density: float, dtype, step: bool = False):
     """``(op, dense, nbytes)``: the op of weight set ``i`` at ``density`` (the sweep's random
     ids and weights, ``bench.random_ids`` and the rest), cuBLAS dense on the same shape, and
-    the bytes the op's weights take."""
+    the bytes the op's weights take. ``step`` (the MLP's kernels only): the MLP as the
+    default decode step runs it (``_step_mlp``)."""
     esize = torch.finfo(dtype).bits // 8
     if kernel in ("up", "down"):
         sets, d, n, gated = bench._mlp_weights(cfg, dtype)
-        act = "relu" if cfg.model_type == "opt" else "silu"
-        x = torch.randn(1, 1, d, device="cuda", dtype=dtype)
-        k, idx = bench.random_ids(n, density)
-        workspace = torch.zeros(ops.workspace_numel(1, d, k, gated), device="cuda")
+        act = "silu" if gated else "relu"
+        dev = sets[0][0].device
+        x = torch.randn(1, 1, d, device=dev, dtype=dtype)
+        if step:
+            k, op, _ = _step_mlp(sets, x, n, gated, density, act)
+        else:
+            k, idx = bench.random_ids(n, density)
+            workspace = torch.zeros(ops.workspace_numel(1, d, k, gated), device=dev)
 
-        def op(i):
-            w1, w_up, w2_t = sets[i]
-            return sparse_mlp.sparse_mlp(x, idx, w1, None, w_up, w2_t, None, act,
-                                         workspace=workspace)
+            def op(i):
+                w1, w_up, w2_t = sets[i]
+                return sparse_mlp.sparse_mlp(x, idx, w1, None, w_up, w2_t, None, act,
+                                             workspace=workspace)
 
         return op, bench._dense_mlp(sets, gated, x), k * (3 if gated else 2) * d * esize
+    if step:
+        raise ValueError(f"the step's form is the MLP's (up, down or mlp), not {kernel!r}'s")
     d = cfg.hidden_size
     n_heads, hd, x, attn, wq, wo_t, wo = bench.head_weights(cfg, dtype)
     k, idx = bench.random_ids(n_heads, density)
@@ -80,15 +94,50 @@ def _case(cfg, kernel: str, density: float, dtype):
             lambda i: F.linear(attn, wo[i]), k * hd * d * esize)
 
 
+def _step_mlp(sets, x, n: int, gated: bool, density: float, act: str):
+    """``(k, op, reads)``: the sparse MLP of weight set ``i`` as the default decode step runs
+    it at ``density``: the ids a bucketed selector keeps (``kept_units`` of ``default_buckets``
+    buckets, the same count from each; OPT-13B's 0.1 keeps 2080 of 20480, the step's tuning
+    key, where the sweep's ``random_ids`` keeps 2048), OPT's biases, and the residual add and
+    norm after it (a layer norm, or for a gated MLP an RMS norm), which the down kernel's
+    unfinished sums feed (``DEJAVU_NORM_FINISH``, "sums" unless set); ``reads``: its ids,
+    biases and norm arguments."""
+    from dejavu_compile.profile import default_buckets, kept_units
+
+    d, dev, dtype = x.shape[-1], x.device, x.dtype
+    buckets = default_buckets(n)
+    k, size = kept_units(density, n, buckets), n // buckets
+    idx = torch.cat([b * size + torch.randperm(size, device=dev)[:k // buckets].sort().values
+                     for b in range(buckets)]).view(1, 1, k)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).to(dtype)
+
+    b1, b2 = (None, None) if gated else (rand(n, scale=0.1), rand(d, scale=0.1))
+    norm = (rand(1, 1, d), 1 + rand(d, scale=0.1), None if gated else rand(d, scale=0.1), 1e-5,
+            gated)
+    workspace = torch.zeros(ops.workspace_numel(1, d, k, gated) + ops.norm_numel(1, d),
+                            device=dev)
+
+    def op(i):
+        w1, w_up, w2_t = sets[i]
+        return sparse_mlp.sparse_mlp(x, idx, w1, b1, w_up, w2_t, b2, act, workspace=workspace,
+                                     norm=norm)
+
+    return k, op, {"idx": idx, "b1": b1, "b2": b2, "norm": norm}
+
+
 @torch.no_grad()
 def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int = 12,
-          case=None):
+          case=None, step: bool = False):
     """Rows (one per candidate, fastest first) and the best candidate's entry
     ``{"key": ..., "config": ...}`` for the key the op tunes; ``case``: ``_case``'s op, dense
-    and bytes if already built (``pair_study``'s, which both MLP kernels share)."""
+    and bytes if already built (``pair_study``'s, which both MLP kernels share); ``step``:
+    the MLP in the decode step's form (``_step_mlp``)."""
     name = KERNELS[kernel]
     tuner = tuning.autotuners()[name]
-    op, dense, nbytes = case or _case(bench.shape_configs()[model], kernel, density, dtype)
+    op, dense, nbytes = case or _case(bench.shape_configs()[model], kernel, density, dtype,
+                                      step)
     before = set(tuner.cache)
     chosen = bench._time_layers(op, bench.LAYERS)[0]  # the autotuner's choice
     keys = [key for key in tuner.cache if key not in before]
@@ -112,11 +161,13 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
         print(f"  {r['ms'] * 1e3:7.1f} us {r['gbs']:6.0f} GB/s  {r['config']}")
     best = {"key": tuning.plain_key(keys[0]), "config": rows[0]["config"]} if keys else None
     return {"model": model, "kernel": name, "density": density, "bytes": nbytes,
-            "dense_ms": dense_ms, "chosen_ms": chosen, "rows": rows}, best
+            "form": "step" if step else "op", "dense_ms": dense_ms, "chosen_ms": chosen,
+            "rows": rows}, best
 
 
 @torch.no_grad()
-def check(model: str, kernel: str, density: float, dtype=torch.float16, case=None) -> int:
+def check(model: str, kernel: str, density: float, dtype=torch.float16, case=None,
+          step: bool = False) -> int:
     """Each candidate of ``kernel`` pinned in turn and run once on every layer's weights, the
     GPU synchronised after it and its tile printed before it, with no timing: a candidate
     that faults is the last one printed (run with ``CUDA_LAUNCH_BLOCKING=1``, so that the
@@ -124,7 +175,7 @@ def check(model: str, kernel: str, density: float, dtype=torch.float16, case=Non
     both kernels). Returns how many ran."""
     studied = "up" if kernel == "mlp" else kernel
     name = KERNELS[studied]
-    op, _, _ = case or _case(bench.shape_configs()[model], studied, density, dtype)
+    op, _, _ = case or _case(bench.shape_configs()[model], studied, density, dtype, step)
     ran = 0
     for config in list(tuning.autotuners()[name].configs):
         print(f"{model} {name} density {density}: {tuning.config_data(config)}", flush=True)
@@ -157,16 +208,18 @@ def pairs(op, up_rows: list[dict], down_rows: list[dict], top: int) -> list[dict
 
 
 @torch.no_grad()
-def pair_study(model: str, density: float, top: int, dtype=torch.float16):
+def pair_study(model: str, density: float, top: int, dtype=torch.float16, step: bool = False):
     """``study`` of the up and then the down kernel, then ``pairs`` of their fastest tiles, all
-    on one MLP case (the same weights and ids): the three results and the fastest pair's
-    entries (none for a kernel whose key was chosen before the study, as ``study`` gives)."""
-    case = _case(bench.shape_configs()[model], "up", density, dtype)
+    on one MLP case (the same weights and ids; ``step``: in the decode step's form): the three
+    results and the fastest pair's entries (none for a kernel whose key was chosen before the
+    study, as ``study`` gives)."""
+    case = _case(bench.shape_configs()[model], "up", density, dtype, step)
     tuners = tuning.autotuners()
     before = {k: set(tuners[KERNELS[k]].cache) for k in ("up", "down")}
     # the up study's first call tunes the down kernel's key too, so the down study finds it
     # chosen: each kernel's key is the one new since before both studies
-    up, down = (study(model, k, density, dtype, case=case)[0] for k in ("up", "down"))
+    up, down = (study(model, k, density, dtype, case=case, step=step)[0]
+                for k in ("up", "down"))
     op, _, nbytes = case
     rows = pairs(op, up["rows"], down["rows"], top)
     print(f"\n{model} mlp density {density}: {top} x {top} pairs of tiles, fastest first")
@@ -176,6 +229,7 @@ def pair_study(model: str, density: float, top: int, dtype=torch.float16):
             for k in ("up", "down")
             for key in tuners[KERNELS[k]].cache if key not in before[k]]
     result = {"model": model, "kernel": "mlp pairs", "density": density, "bytes": nbytes,
+              "form": "step" if step else "op",
               "rows": [{**r, "gbs": nbytes / (r["ms"] * 1e-3) / 1e9} for r in rows]}
     return [up, down, result], best
 
@@ -188,6 +242,11 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=4,
                    help="with --kernel mlp: pair this many fastest tiles of each kernel")
     p.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.5, 0.8])
+    p.add_argument("--step", action="store_true",
+                   help="with --kernel up, down or mlp: time the MLP as the default decode "
+                        "step runs it (a bucketed selection's ids, OPT's biases, the residual "
+                        "add and norm after it finishing the down kernel's sums), whose "
+                        "tuning keys the step's are")
     p.add_argument("--json", help="write the rows and the fastest tile per key here")
     p.add_argument("--check", action="store_true",
                    help="only run each candidate once, synchronised, naming it first (no "
@@ -219,6 +278,8 @@ def main(argv=None):
         return
     if args.kernel is None:
         p.error("--kernel is required (unless --ship)")
+    if args.step and args.kernel not in ("up", "down", "mlp"):
+        p.error(f"--step goes with --kernel up, down or mlp, not {args.kernel}")
     if not torch.cuda.is_available():
         raise SystemExit("tile_study needs a CUDA GPU")
     bench.check_densities(args.densities)
@@ -227,16 +288,16 @@ def main(argv=None):
     if args.check:
         for model in args.models:
             for density in args.densities:
-                check(model, args.kernel, density)
+                check(model, args.kernel, density, step=args.step)
         return
     results, tuned = [], {}
     for model in args.models:
         for density in args.densities:
             if args.kernel == "mlp":
-                done, entries = pair_study(model, density, args.pairs)
+                done, entries = pair_study(model, density, args.pairs, step=args.step)
                 results.extend(done)
             else:
-                result, best = study(model, args.kernel, density)
+                result, best = study(model, args.kernel, density, step=args.step)
                 results.append(result)
                 entries = [{"kernel": result["kernel"], **best}] if best is not None else []
             for e in entries:

@@ -227,12 +227,13 @@ def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
         monkeypatch.setattr(tuners[name], "cache", {("old", name): None})
     up_cfg, down_cfg = {"kwargs": {"BLOCK_N": 8}}, {"kwargs": {"BLOCK_N": 16}}
 
-    def fake_study(model, kernel, density, dtype, case):
+    def fake_study(model, kernel, density, dtype, case, step):
         for k in ("up", "down"):  # the op's first call tunes both kernels' keys
             tuners[study.KERNELS[k]].cache.setdefault((k, 5120), None)
         return {"kernel": study.KERNELS[kernel], "rows": []}, None
 
-    monkeypatch.setattr(study, "_case", lambda cfg, kernel, density, dtype: (None, None, 10))
+    monkeypatch.setattr(study, "_case",
+                        lambda cfg, kernel, density, dtype, step: (None, None, 10))
     monkeypatch.setattr(study, "study", fake_study)
     monkeypatch.setattr(study, "pairs", lambda op, up, down, top: [
         {"up": up_cfg, "down": down_cfg, "ms": 1.0}])
@@ -240,6 +241,59 @@ def test_tile_study_pair_study_writes_both_kernels_keys(monkeypatch):
     _, best = study.pair_study("opt-13b", 0.25, top=1)
     assert best == [{"kernel": study.KERNELS["up"], "key": ["up", 5120], "config": up_cfg},
                     {"kernel": study.KERNELS["down"], "key": ["down", 5120], "config": down_cfg}]
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["opt_layer_norm", "gated_rms_norm"])
+def test_tile_study_step_form_is_the_steps_mlp(monkeypatch, capsys, gated):
+    """``--step``: the study's MLP as the default decode step runs it (the Triton kernels,
+    under the interpreter): the same count of sorted ids from each bucket of units, as many as
+    the step keeps (its tuning key), the biases of a plain MLP, and the residual add and norm
+    after it, which gives the reference's; the op leaves its workspace zero (a second call
+    gives the same), and its bytes are the kept rows'. Other kernels refuse the form."""
+    import types
+
+    from dejavu_compile.kernels import reference as ref
+    from dejavu_compile.kernels import sparse_mlp
+    from dejavu_compile.kernels.triton_common import add_norm_sums
+
+    from dejavu_compile import bench
+    from dejavu_compile.profile import default_buckets, kept_units
+
+    study = load_example(Path(__file__).parents[1] / "examples" / "tile_study.py")
+    gen = torch.Generator().manual_seed(6)
+    d, n = 16, 384  # three buckets of 128 units
+    sets = [tuple(torch.randn(n, d, generator=gen) * 0.3 if gated or j != 1 else None
+                  for j in range(3)) for _ in range(2)]
+    monkeypatch.setattr(bench, "_mlp_weights", lambda cfg, dtype: (sets, d, n, gated))
+    x = torch.randn(1, 1, d, generator=gen)
+    act = "silu" if gated else "relu"
+    k, op, reads = study._step_mlp(sets, x, n, gated, 0.1, act)
+    buckets = default_buckets(n)
+    assert buckets == 3 and k == kept_units(0.1, n, buckets) == 39
+    idx = reads["idx"].view(buckets, -1)
+    for b, ids in enumerate(idx):
+        assert (ids.diff() > 0).all() and ((ids // 128) == b).all()
+    assert (reads["b1"] is None) == (reads["b2"] is None) == gated
+    residual, norm_w, norm_b, eps, rms = reads["norm"]
+    assert rms == gated and (norm_b is None) == gated
+    w1, w_up, w2_t = sets[1]
+    y = ref.sparse_mlp(x, reads["idx"], w1, reads["b1"], w_up, w2_t, reads["b2"], act)
+    want = ref.add_norm(y, residual, norm_w, norm_b, eps, rms)
+    finished = []  # the add-norm launch finishing the down kernel's sums, as in the step
+    monkeypatch.setattr(sparse_mlp, "add_norm_sums", lambda *a, **kw: finished.append(1)
+                        or add_norm_sums(*a, **kw))
+    for _ in range(2):
+        got = op(1)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    _, _, nbytes = study._case(types.SimpleNamespace(), "down", 0.1, torch.float32, step=True)
+    assert nbytes == 39 * (3 if gated else 2) * d * 4
+    assert finished == [1, 1]
+    with pytest.raises(ValueError, match="the MLP's"):
+        study._case(types.SimpleNamespace(), "q", 0.5, torch.float32, step=True)
+    with pytest.raises(SystemExit):  # before it needs a GPU
+        study.main(["--kernel", "cols", "--step"])
+    assert "--step goes with --kernel up, down or mlp, not cols" in capsys.readouterr().err
 
 
 def test_tile_study_cols_pins_the_original_layout_kernel(monkeypatch):
