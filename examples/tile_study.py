@@ -153,7 +153,8 @@ def study(model: str, kernel: str, density: float, dtype=torch.float16, top: int
         rows.append({"config": tuning.config_data(config), "ms": ms,
                      "gbs": nbytes / (ms * 1e-3) / 1e9})
     rows.sort(key=lambda r: r["ms"])
-    print(f"\n{model} {kernel} density {density}: {nbytes / 1e6:.1f} MB, cuBLAS dense "
+    form = " (the step's form)" if step else ""
+    print(f"\n{model} {kernel} density {density}{form}: {nbytes / 1e6:.1f} MB, cuBLAS dense "
           f"{dense_ms * 1e3:.1f} us, the autotuner's choice "
           f"{tuning.config_data(tuner.cache[keys[0]]) if keys else 'already chosen'} "
           f"{chosen * 1e3:.1f} us")
@@ -222,7 +223,8 @@ def pair_study(model: str, density: float, top: int, dtype=torch.float16, step: 
                 for k in ("up", "down"))
     op, _, nbytes = case
     rows = pairs(op, up["rows"], down["rows"], top)
-    print(f"\n{model} mlp density {density}: {top} x {top} pairs of tiles, fastest first")
+    form = " (the step's form)" if step else ""
+    print(f"\n{model} mlp density {density}{form}: {top} x {top} pairs of tiles, fastest first")
     for r in rows[:top]:
         print(f"  {r['ms'] * 1e3:7.1f} us  up {r['up']['kwargs']}  down {r['down']['kwargs']}")
     best = [{"kernel": KERNELS[k], "key": tuning.plain_key(key), "config": rows[0][k]}
