@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from dejavu_compile.kernels import sparse_mlp as sm
 
-from dejavu_compile.bench import graph_bench
+from dejavu_compile.bench import bucket_ids, graph_bench
 
 
 @triton.jit
@@ -158,9 +158,9 @@ FLAG_CONFIGS = [(16, 512, 16, 4), (16, 512, 8, 4), (16, 512, 4, 4), (32, 512, 8,
                 (64, 128, 4, 4), (128, 64, 4, 4)]
 
 
-# the decode step's sparse MLP at issue 4's operating points: (units, selected per bucket of
-# 128, d, gated with SiLU or ReLU with biases)
-FLAG_SHAPES = {"llama": (14336, 64, 4096, True), "opt": (20480, 13, 5120, False)}
+# the decode step's sparse MLP at issue 4's operating points: (units, MLP density, d, gated
+# with SiLU or ReLU with biases); the step's selector keeps 64 and 13 of each 128 units
+FLAG_SHAPES = {"llama": (14336, 0.5, 4096, True), "opt": (20480, 0.1, 5120, False)}
 
 
 def tile(text: str) -> tuple[int, int, int, int]:
@@ -185,7 +185,7 @@ def flags_study(shape: str = "llama", step_only: bool = False, configs=None) -> 
     ``FLAG_CONFIGS``)."""
     from dejavu_compile.kernels import ops, tuning
 
-    n, per_bucket, d, gated = FLAG_SHAPES[shape]
+    n, density, d, gated = FLAG_SHAPES[shape]
     act = "silu" if gated else "relu"
     w1s = [torch.randn(n, d, device="cuda", dtype=torch.float16) / 64 for _ in range(LAYERS)]
     # a plain MLP has no up projection: its up kernel reads W1 in both places
@@ -195,9 +195,8 @@ def flags_study(shape: str = "llama", step_only: bool = False, configs=None) -> 
     b1 = None if gated else torch.randn(n, device="cuda", dtype=torch.float16)
     b2 = None if gated else torch.randn(d, device="cuda", dtype=torch.float16)
     # the same count from every bucket of 128 neurons, as the bucketed selector picks them
-    ids = torch.cat([b * 128 + torch.randperm(128, device="cuda")[:per_bucket].sort().values
-                     for b in range(n // 128)]).view(1, -1)
-    k = ids.shape[1]
+    k, ids = bucket_ids(n, density)
+    ids = ids.view(1, k)
     x = torch.randn(1, d, device="cuda", dtype=torch.float16)
     ws = torch.zeros(ops.workspace_numel(1, d, k, gated=True), device="cuda")
     gb, n_up = k * d * 2 / 1e9, 2 if gated else 1

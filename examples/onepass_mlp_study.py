@@ -52,7 +52,7 @@ from dejavu_compile.kernels import ops
 from dejavu_compile.kernels import sparse_mlp as sm
 from dejavu_compile.kernels import triton_common as tc
 
-from dejavu_compile.bench import _time_layers
+from dejavu_compile.bench import _time_layers, bucket_ids
 
 
 @triton.jit
@@ -264,9 +264,9 @@ def _line(q, gb: float, what: str, extra: str = "") -> str:
     return f"   {t:7.1f} us ({lo:.1f}-{hi:.1f}) {gb / t * 1e6:6.0f} GB/s  {what} {extra}"
 
 
-# issue 4's operating points: (units, selected per bucket of 128, d, gated with SiLU or ReLU
-# with biases), as examples/down_kernel_study.py's
-SHAPES = {"opt": (20480, 13, 5120, False), "llama": (14336, 64, 4096, True)}
+# issue 4's operating points: (units, MLP density, d, gated with SiLU or ReLU with biases), as
+# examples/down_kernel_study.py's
+SHAPES = {"opt": (20480, 0.1, 5120, False), "llama": (14336, 0.5, 4096, True)}
 # (BLOCK_N, BLOCK_D, BLOCK_O, warps, stages): 20 tiles
 CONFIGS = [c for c in itertools.product((8, 16, 32), (256, 512), (512, 1024), (4, 8), (3,))
            if c[0] * max(c[1], c[2]) <= 16384]
@@ -285,7 +285,7 @@ FORMS = ("onepass", "persistent")
 
 
 def study(shape: str, configs=CONFIGS, forms=FORMS, persistent=PERSISTENT) -> None:
-    n, per_bucket, d, gated = SHAPES[shape]
+    n, density, d, gated = SHAPES[shape]
     act = "silu" if gated else "relu"
     dev, dt = "cuda", torch.float16
     w1s = [torch.randn(n, d, device=dev, dtype=dt) / 64 for _ in range(LAYERS)]
@@ -293,9 +293,8 @@ def study(shape: str, configs=CONFIGS, forms=FORMS, persistent=PERSISTENT) -> No
     w2s = [torch.randn(n, d, device=dev, dtype=dt) / 64 for _ in range(LAYERS)]
     b1 = None if gated else torch.randn(n, device=dev, dtype=dt)
     b2 = None if gated else torch.randn(d, device=dev, dtype=dt)
-    ids = torch.cat([b * 128 + torch.randperm(128, device=dev)[:per_bucket].sort().values
-                     for b in range(n // 128)]).view(1, -1)
-    k = ids.shape[1]
+    k, ids = bucket_ids(n, density, dev)
+    ids = ids.view(1, k)
     x = torch.randn(1, d, device=dev, dtype=dt)
     res = torch.randn(1, d, device=dev, dtype=dt)
     nw = torch.randn(d, device=dev, dtype=dt)

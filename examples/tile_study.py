@@ -96,19 +96,14 @@ def _case(cfg, kernel: str, density: float, dtype, step: bool = False):
 
 def _step_mlp(sets, x, n: int, gated: bool, density: float, act: str):
     """``(k, op, reads)``: the sparse MLP of weight set ``i`` as the default decode step runs
-    it at ``density``: the ids a bucketed selector keeps (``kept_units`` of ``default_buckets``
-    buckets, the same count from each; OPT-13B's 0.1 keeps 2080 of 20480, the step's tuning
-    key, where the sweep's ``random_ids`` keeps 2048), OPT's biases, and the residual add and
+    it at ``density``: the ids a bucketed selector keeps (``bench.bucket_ids``: OPT-13B's 0.1
+    keeps 2080 of 20480, the step's tuning key, where the sweep's ``random_ids`` keeps 2048),
+    OPT's biases, and the residual add and
     norm after it (a layer norm, or for a gated MLP an RMS norm), which the down kernel's
     unfinished sums feed (``DEJAVU_NORM_FINISH``, "sums" unless set); ``reads``: its ids,
     biases and norm arguments."""
-    from dejavu_compile.profile import default_buckets, kept_units
-
     d, dev, dtype = x.shape[-1], x.device, x.dtype
-    buckets = default_buckets(n)
-    k, size = kept_units(density, n, buckets), n // buckets
-    idx = torch.cat([b * size + torch.randperm(size, device=dev)[:k // buckets].sort().values
-                     for b in range(buckets)]).view(1, 1, k)
+    k, idx = bench.bucket_ids(n, density, dev)
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, device=dev) * scale).to(dtype)

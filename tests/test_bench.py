@@ -33,6 +33,19 @@ def test_random_profile_takes_the_bucket_size(tiny, tmp_path, bucket_units):
     assert att.buckets == 1  # four heads: one bucket
 
 
+@pytest.mark.parametrize("n, density, per", [(20480, 0.1, 13), (14336, 0.5, 64), (384, 0.1, 13)],
+                         ids=["opt13b_mlp", "llama8b_mlp", "three_buckets"])
+def test_bucket_ids_keep_the_steps_count_from_each_bucket(n, density, per):
+    """``bench.bucket_ids``: the selection of the decode step's bucketed selector, as many ids
+    as its profile keeps (the step's tuning key: OPT-13B's MLP at 0.1 keeps 2080, not the
+    sweep's 2048), the same count from each bucket of 128 units, sorted within it."""
+    k, ids = bench.bucket_ids(n, density, "cpu")
+    assert ids.shape == (1, 1, k) and k == per * default_buckets(n) == per * n // 128
+    rows = ids.view(-1, per)
+    assert ((rows // 128) == torch.arange(len(rows))[:, None]).all()
+    assert (rows.diff(dim=1) > 0).all()
+
+
 def test_analyse_kv_finds_costs_and_crossings():
     bw = 1e12  # 1 GB per ms
     weights = {"dense": 10e9, "projection": 6e9}
