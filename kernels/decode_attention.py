@@ -31,6 +31,8 @@ Without ``heads`` the cache is read exactly once. Reference:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,11 @@ from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, pdl_meta, wait_in
 # kept for short caches, where latency, not bytes, sets the time.
 CHUNK_UNIT = 16 if INTERPRET else 32
 LONG_CHUNK = 16 if INTERPRET else 128
+# ``DEJAVU_ATTN_CHUNK`` sets the long chunk's keys instead (a GPU study of shorter chunks:
+# OPT-13B's step, 40 KV heads over 257-384 positions, runs 3 chunks of 128 keys a head, 120
+# programs of two blocks each; 64 gives 200 programs, 32 gives 360)
+LONG_CHUNK_ENV = "DEJAVU_ATTN_CHUNK"
+LONG_CHUNKS = (128, 64, 32)
 # enough programs to fill the GPU several times over; each chunk at least one unit
 PROGRAMS = 4 * 132
 MIN_PROGRAMS = PROGRAMS // 8  # half a wave of programs on an H200
@@ -69,23 +76,36 @@ def _fp32_dots(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
 
 
-def splits_for(batch_heads: int, length: int, unit: int = LONG_CHUNK) -> int:
-    """Chunks per KV head: enough programs to fill the GPU, at least ``unit`` keys each."""
-    blocks = triton.cdiv(length, unit)
+def long_chunk() -> int:
+    """Keys per long chunk: ``LONG_CHUNK``, or ``DEJAVU_ATTN_CHUNK`` when set (one of
+    ``LONG_CHUNKS``; any other value is an error naming them)."""
+    asked = os.environ.get(LONG_CHUNK_ENV)
+    if asked is None:
+        return LONG_CHUNK
+    if asked not in {str(c) for c in LONG_CHUNKS}:
+        raise ValueError(f"{LONG_CHUNK_ENV}={asked!r}: set it to one of "
+                         f"{tuple(str(c) for c in LONG_CHUNKS)}")
+    return int(asked)
+
+
+def splits_for(batch_heads: int, length: int, unit: int | None = None) -> int:
+    """Chunks per KV head: enough programs to fill the GPU, at least ``unit`` keys each
+    (``long_chunk()`` when None)."""
+    blocks = triton.cdiv(length, long_chunk() if unit is None else unit)
     return max(1, min(blocks, triton.cdiv(PROGRAMS, batch_heads)))
 
 
 def chunking(batch_heads: int, length: int) -> tuple[int, int]:
     """(keys per chunk, chunks) of a cache of ``length`` keys per KV head: ``splits_for``'s
-    count of ``LONG_CHUNK``-key units, or of ``CHUNK_UNIT``-key ones when that gives fewer than
-    ``MIN_PROGRAMS`` programs; chunks rounded up to whole units (to whole ``LONG_CHUNK``s once
+    count of ``long_chunk()``-key units, or of ``CHUNK_UNIT``-key ones when that gives fewer
+    than ``MIN_PROGRAMS`` programs; chunks rounded up to whole units (to whole long chunks once
     longer than one)."""
-    unit = LONG_CHUNK
-    if batch_heads * splits_for(batch_heads, length) < MIN_PROGRAMS:
+    long = unit = long_chunk()
+    if batch_heads * splits_for(batch_heads, length, long) < MIN_PROGRAMS:
         unit = CHUNK_UNIT
     chunk = triton.cdiv(triton.cdiv(length, splits_for(batch_heads, length, unit)), unit) * unit
-    if chunk > LONG_CHUNK:
-        chunk = triton.cdiv(chunk, LONG_CHUNK) * LONG_CHUNK
+    if chunk > long:
+        chunk = triton.cdiv(chunk, long) * long
     return chunk, triton.cdiv(length, chunk)
 
 

@@ -619,6 +619,34 @@ def test_decode_attention_splits_fill_the_gpu():
                                           torch.zeros(1, 2, 5, 8), 1.0)
 
 
+def test_decode_attention_long_chunk_from_the_environment(monkeypatch):
+    """``DEJAVU_ATTN_CHUNK`` sets the long chunk (OPT-13B's 40 KV heads over 273 positions:
+    3 chunks of 128 keys, 5 of 64 or 9 of 32); the kernels give the reference's output at any
+    of them; another value is an error naming the variable and its choices."""
+    monkeypatch.setattr(decode_attention, "CHUNK_UNIT", 32)
+    monkeypatch.setattr(decode_attention, "LONG_CHUNK", 128)
+    assert decode_attention.chunking(40, 273) == (128, 3)
+    for keys, splits in ((64, 5), (32, 9), (128, 3)):
+        monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, str(keys))
+        assert decode_attention.chunking(40, 273) == (keys, splits)
+    monkeypatch.undo()
+    f16 = torch.float16
+    q = _rand(1, 4, 1, 16, dtype=f16, seed=3) * 4
+    k, v = _rand(1, 2, 70, 16, dtype=f16, seed=4) * 4, _rand(1, 2, 70, 16, dtype=f16, seed=5)
+    want = _ref64(ref.decode_attention, q, k, v, 0.25, None)
+    chunks = set()
+    for keys in decode_attention.LONG_CHUNKS:
+        monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, str(keys))
+        monkeypatch.setattr(decode_attention, "MIN_PROGRAMS", 1)  # long chunks, however few
+        chunks.add(decode_attention.chunking(2, 70))
+        torch.testing.assert_close(decode_attention.decode_attention(q, k, v, 0.25).double(),
+                                   want, **TOL[f16])
+    assert chunks == {(128, 1), (64, 2), (32, 3)}
+    monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, "48")
+    with pytest.raises(ValueError, match="DEJAVU_ATTN_CHUNK='48'.*'128', '64', '32'"):
+        decode_attention.chunking(40, 273)
+
+
 def test_decode_attention_tunes_only_blocks_within_a_chunk():
     """The split kernel's autotuning tries no key block longer than a chunk (its extra keys
     would only be masked); a chunk shorter than every block keeps the first config."""
