@@ -804,7 +804,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_exit_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
          "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl",
-         "dejavu_captured_qkv_allattn_pdl")
+         "dejavu_captured_qkv_allattn_pdl", "dejavu_captured_qkv_chunk32_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -977,6 +977,10 @@ _DEJAVU_MODES = {
                                                                    "decode_selected_heads": True}),
     "dejavu_captured_qkv_allattn_pdl": (True, True, BUCKET_UNITS, {
         **_CAPTURED_QKV, "decode_selected_heads": False}),
+    # dejavu_captured_qkv_pdl with the decode attention's long chunks of 32 keys instead of
+    # 128 (decode_attention.LONG_CHUNK_ENV "32"; kernel_switches): OPT-13B's 40 KV heads over
+    # the bench's 129-256 positions in 5-8 chunks a head instead of 2
+    "dejavu_captured_qkv_chunk32_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # and with each selected head's chunks merged by its last program in the split kernel
     # (option merge_attention): no combine launch
     "dejavu_captured_qkv_selattn_merge_pdl": (True, True, BUCKET_UNITS, {
@@ -1017,7 +1021,10 @@ def kernel_switches(mode: str):
     "sums" for ``dejavu_captured_qkv_norms_pdl``, ``DEJAVU_NORM_LAUNCH`` (how the add-norm
     and finish kernels launch) "late" for the modes named ``*_normlate_pdl`` and
     ``*_exit_pdl``, ``DEJAVU_PDL_START`` (where a kernel starts its successor) "exit" for
-    the modes named ``*_exit_pdl``, each unset otherwise; restored afterwards."""
+    the modes named ``*_exit_pdl``, ``DEJAVU_ATTN_CHUNK`` (the decode attention's long
+    chunk) "32" for ``dejavu_captured_qkv_chunk32_pdl``, each unset otherwise; restored
+    afterwards."""
+    from dejavu_compile.kernels.decode_attention import LONG_CHUNK_ENV
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
         EARLY_IDS_ENV,
@@ -1036,6 +1043,9 @@ def kernel_switches(mode: str):
         os.environ.pop(NORM_FINISH_ENV, None)
         os.environ.pop(NORM_LAUNCH_ENV, None)
         os.environ.pop(PDL_START_ENV, None)
+        os.environ.pop(LONG_CHUNK_ENV, None)
+        if mode == "dejavu_captured_qkv_chunk32_pdl":
+            os.environ[LONG_CHUNK_ENV] = "32"
         if mode.endswith(("_normlate_pdl", "_exit_pdl")):
             os.environ[NORM_LAUNCH_ENV] = "late"
         if mode.endswith("_exit_pdl"):

@@ -50,8 +50,8 @@ from .triton_common import INTERPRET, QUICK_TUNE, check_dtype, pdl_meta, wait_in
 CHUNK_UNIT = 16 if INTERPRET else 32
 LONG_CHUNK = 16 if INTERPRET else 128
 # ``DEJAVU_ATTN_CHUNK`` sets the long chunk's keys instead (a GPU study of shorter chunks:
-# OPT-13B's step, 40 KV heads over 257-384 positions, runs 3 chunks of 128 keys a head, 120
-# programs of two blocks each; 64 gives 200 programs, 32 gives 360)
+# OPT-13B's step, 40 KV heads, runs 2 chunks of 128 keys a head over the bench's 129-256
+# positions, 80 programs, and 3 over 257-384; 32-key chunks give 5-8 and 9-12)
 LONG_CHUNK_ENV = "DEJAVU_ATTN_CHUNK"
 LONG_CHUNKS = (128, 64, 32)
 # enough programs to fill the GPU several times over; each chunk at least one unit

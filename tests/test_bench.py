@@ -584,6 +584,23 @@ def test_only_the_grid_modes_set_the_lazy_grid(monkeypatch):
         lazy_kv.default_grid()
 
 
+def test_only_the_chunk_mode_sets_the_attention_chunk(monkeypatch):
+    """``dejavu_captured_qkv_chunk32_pdl`` is the default OPT step with the decode attention's
+    long chunks of 32 keys (``DEJAVU_ATTN_CHUNK=32``); every other mode runs the default chunk
+    whatever the environment said; the environment is restored."""
+    from dejavu_compile.kernels import decode_attention
+
+    mode = "dejavu_captured_qkv_chunk32_pdl"
+    assert bench._DEJAVU_MODES[mode] == bench._DEJAVU_MODES["dejavu_captured_qkv_pdl"]
+    monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, "64")  # set outside: each mode says
+    for other in ("dejavu_captured_qkv_pdl", "dejavu_captured_ahead_ipdl_pdl", "dejavu_sparse"):
+        with bench.kernel_switches(other):
+            assert decode_attention.long_chunk() == decode_attention.LONG_CHUNK
+    with bench.kernel_switches(mode):
+        assert decode_attention.long_chunk() == 32
+    assert os.environ[decode_attention.LONG_CHUNK_ENV] == "64"
+
+
 def test_only_the_early_modes_load_the_up_kernels_ids_before_the_wait(monkeypatch):
     """The modes named ``*_early_pdl`` run with ``DEJAVU_EARLY_IDS=1``, every other mode
     without it, whatever the environment said; the environment is restored."""
