@@ -804,7 +804,8 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_ahead_exit_pdl",
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
          "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl",
-         "dejavu_captured_qkv_allattn_pdl", "dejavu_captured_qkv_chunk32_pdl")
+         "dejavu_captured_qkv_allattn_pdl", "dejavu_captured_qkv_chunk32_pdl",
+         "dejavu_captured_qkv_lenpos_pdl")
 SPARSE_MODES = MODES[4:]
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
@@ -891,6 +892,10 @@ _DEJAVU_MODES = {
     # (option batch_positions)
     "dejavu_captured_qkv_bp_pdl": (True, True, BUCKET_UNITS, {**_CAPTURED_QKV,
                                                               "batch_positions": True}),
+    # and with each lazy block reading its cache length as its position, every length moved
+    # on in one foreach op at the end (option positions_from_length)
+    "dejavu_captured_qkv_lenpos_pdl": (True, True, BUCKET_UNITS, {
+        **_CAPTURED_QKV, "positions_from_length": True}),
     # dejavu_captured_qkv_pdl with the lazy K/V kernel's programs over the selection's slots
     # (lazy_kv.GRID_ENV set to "selection"; kernel_switches): since the forty-third session
     # the default, so the same step; and with them over every head ("heads")

@@ -213,6 +213,14 @@ class DejavuOptions:
         values are the same (tested). Off by default: on OPT-13B on an H200 at ``55bdfee`` the step
         ran 4.11 and 3.91 ms with it and 4.02 ms without (bench mode
         ``dejavu_captured_qkv_bp_pdl``), inside the spread. Ignored with ``graph_splits``.
+    positions_from_length: with ``lazy_kv``, in a one-token step each lazy block reads its
+        layer's cache length itself as its position (``arange(1) + length`` is that value),
+        and every layer's ``length.add_(1)`` runs in one foreach op at the end of the graph:
+        no kernel a layer for the positions (``batch_positions`` keeps two, this keeps one,
+        after the last layer). A prefill is left to ``batch_positions`` or as it is. The
+        values and the cache's lengths are the same (tested). Off by default until it is
+        measured on a GPU (bench mode ``dejavu_captured_qkv_lenpos_pdl``). Ignored with
+        ``graph_splits``.
     multi_kernel: Inductor compiles each reduction that qualifies both as a loop over the row
         and as one pass over a row held in registers (a persistent reduction), and keeps the
         faster, timed on the GPU at the first call (Inductor's ``triton.multi_kernel``). By
@@ -323,6 +331,7 @@ class DejavuOptions:
     lazy_kv: bool = False
     fuse_qkv: bool = True
     batch_positions: bool = False
+    positions_from_length: bool = False
     multi_kernel: bool = False
     inductor_pdl: bool | None = None
     fuse_norm: bool = True

@@ -959,6 +959,37 @@ def batch_positions(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     ctx.counters.add("positions_batched", len(found))
 
 
+def positions_from_length(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """In a one-token step, each lazy K/V op reads its layer's cache length itself as its
+    position (``arange(1) + length`` holds the one value ``length`` holds), and every such
+    layer's ``length.add_(1)`` moves to one foreach op before the graph's output, after the last
+    op that reads a length: no kernel a layer for the positions and their bump, one for every
+    layer's bump (option ``positions_from_length``). Each length is read by its positions and
+    its bump only (``_position_chain``), so no value changes. A prefill (several new tokens)
+    is left as it is."""
+    graph = gm.graph
+    found = {}  # positions node -> its chain, in graph order
+    for node in graph.nodes:
+        if _is_lazy(node):
+            for arg in node.args:
+                chain = _position_chain(arg)
+                if chain is not None and chain[0].args[0] == 1 \
+                        and all(_is_lazy(u) for u in arg.users):
+                    found.setdefault(arg, chain)
+    if not found:
+        return
+    lengths = []
+    for positions, (arange, length, bump) in found.items():
+        positions.replace_all_uses_with(length)
+        for node in (bump, positions, arange):
+            graph.erase_node(node)
+        lengths.append(length)
+    with graph.inserting_before(graph.output_node()):
+        bumped = graph.call_function(torch._foreach_add_, (lengths, 1))
+    bumped.meta["val"] = None  # in place, nothing returned
+    ctx.counters.add("positions_from_length", len(found))
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
     graph = gm.graph
@@ -1000,6 +1031,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         fuse_norms(gm, ctx, fake_mode)
     if ctx.options.workspaces:
         workspaces(gm, ctx, fake_mode)
+    if ctx.options.positions_from_length and not ctx.options.graph_splits:
+        positions_from_length(gm, ctx)  # (before batch_positions: a prefill's are left to it)
     if ctx.options.batch_positions and not ctx.options.graph_splits:
         batch_positions(gm, ctx, fake_mode)  # (a cut graph keeps a layer's positions in its part)
     if ctx.options.graph_splits:

@@ -605,6 +605,25 @@ def test_multi_kernel_in_the_captured_lazy_step():
                                atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
 
 
+def test_positions_from_length_in_the_captured_step():
+    """The bench's ``dejavu_captured_qkv_lenpos_pdl`` step on the small OPT of
+    ``test_multi_kernel_in_the_captured_lazy_step``: with option ``positions_from_length``
+    (each lazy block reads its cache length as its position, the lengths moved on in one
+    foreach op at the end) the replayed step gives the logits of the step without it, to the
+    tolerance of fp16 sums added in another order."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    model = _small_opt(4, hidden=2048)
+    tokens = torch.randint(0, 512, (1, 32 + 16), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(7))
+    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+            "lazy_kv": True, "fuse_qkv": True, "cudagraphs": False}
+    runs, _ = _off_and_on(model, tokens, 16, base, "positions_from_length",
+                          "dejavu_captured_qkv_lenpos_pdl")
+    torch.testing.assert_close(runs[True], runs[False],
+                               atol=2e-2 * runs[False].abs().max().item(), rtol=2e-2)
+
+
 @pytest.mark.parametrize("lazy,fuse,norm", [
     (False, False, "plain"), (False, True, "plain"), (True, False, "plain"),
     (True, True, "plain"), (False, False, "late"), (True, True, "late"),

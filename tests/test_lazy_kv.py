@@ -6,6 +6,7 @@ on a GPU) against the reference, the pass on a tiny OPT, and the per-cache state
 from __future__ import annotations
 
 import gc
+import operator
 import os
 
 import pytest
@@ -462,6 +463,89 @@ def test_batched_positions_give_the_same_steps(tmp_path):
             assert len(bumps) == 4
     torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-6, rtol=1e-6)
     assert runs[True][1] == runs[False][1] == [11] * 4
+
+
+def test_positions_from_the_length_give_the_same_steps(tmp_path):
+    """Option ``positions_from_length``: in a 4-layer OPT's one-token steps the three lazy
+    blocks read their layers' cache lengths as their positions, and the lengths move on in one
+    foreach op just before the output; no ``arange`` or per-layer ``add_`` is left for them;
+    the logits and the cache's lengths are those of the per-layer form."""
+    import transformers as tf
+    from dejavu_compile.passes import lookahead
+
+    from .test_backend import _capture
+
+    cfg = tf.OPTConfig(vocab_size=100, hidden_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=256, ffn_dim=96,
+                       word_embed_proj_dim=64)
+    torch.manual_seed(0)
+    model = tf.OPTForCausalLM(cfg).eval()
+    profile = bench.random_profile(model, 0.5, 0.5, 8, tmp_path / "p.yaml")
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        backend, graphs = _capture({"profile": profile, "lazy_kv": True,
+                                    "positions_from_length": on})
+        forward = torch.compile(model.forward, backend=backend)
+        logits, cache = _decode(model, forward, ids, 4)
+        runs[on] = logits, [layer.cumulative_length.item() for layer in cache.layers]
+        gm, ctx = graphs[-1]
+        nodes = list(gm.graph.nodes)
+        lazy = [n for n in nodes if lookahead.is_op(n, "lazy_qkv")]
+        bumps = [n for n in nodes if n.op == "call_method" and n.target == "add_"]
+        foreach = [n for n in nodes if n.target is torch._foreach_add_]
+        assert len(lazy) == 3
+        if on:
+            assert ctx.counters.values["positions_from_length"] == 3
+            assert len(foreach) == 1 and nodes[-2] is foreach[0]  # last before the output
+            lengths = foreach[0].args[0]
+            assert [n.args[10] for n in lazy] == lengths
+            assert all(n.op == "placeholder" for n in lengths)
+            assert not any(n.target is torch.arange and n.args == (1,) and
+                           any(lookahead.is_op(u, "lazy_qkv") for user in n.users
+                               for u in user.users) for n in nodes)
+            assert len(bumps) == 1  # layer 0's (dense K/V), which other nodes read
+        else:
+            assert "positions_from_length" not in ctx.counters.values and not foreach
+            assert len(bumps) == 4
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-6, rtol=1e-6)
+    assert runs[True][1] == runs[False][1] == [11] * 4
+
+
+def test_positions_from_the_length_only_for_one_new_token():
+    """``positions_from_length`` rewrites a lazy op's positions ``arange(1) + length`` (the
+    length then read by the op, its bump moved to the end) and leaves ``arange(2) + length``,
+    whose second position the length does not hold."""
+    import torch.fx as fx
+    from dejavu_compile.passes import lower
+    from dejavu_compile.passes.context import PassContext
+
+    from dejavu_compile.config import DejavuOptions
+
+    def graph(n):
+        g = fx.Graph()
+        x, length = g.placeholder("x"), g.placeholder("length")
+        positions = g.call_function(operator.add, (g.call_function(torch.arange, (n,)), length))
+        g.call_method("add_", (length, n))
+        out = g.call_function(torch.ops.dejavu.lazy_kv.default,
+                              (x, None, x, None, x, None, x, x, positions))
+        g.output(out)
+        return fx.GraphModule(torch.nn.Module(), g), out
+
+    for n in (1, 2):
+        gm, lazy = graph(n)
+        ctx = PassContext(DejavuOptions(selector="oracle", mlp_density=0.5), None, {}, [])
+        lower.positions_from_length(gm, ctx)
+        gm.graph.lint()
+        targets = [node.target for node in gm.graph.nodes]
+        if n == 1:
+            assert ctx.counters.values["positions_from_length"] == 1
+            assert lazy.args[8].op == "placeholder" and torch.arange not in targets
+            assert targets[-2:] == [torch._foreach_add_, "output"]
+        else:
+            assert "positions_from_length" not in ctx.counters.values
+            assert lazy.args[8].target is operator.add and torch._foreach_add_ not in targets
 
 
 def test_fusing_the_query_moves_only_pure_late_inputs():
