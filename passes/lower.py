@@ -918,6 +918,19 @@ def _position_chain(node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     return arange, length, bump
 
 
+def _lazy_positions(graph: fx.Graph) -> dict:
+    """positions node -> its ``_position_chain``, in graph order, for each positions tensor
+    that only lazy K/V ops read."""
+    found = {}
+    for node in graph.nodes:
+        if _is_lazy(node):
+            for arg in node.args:
+                chain = _position_chain(arg)
+                if chain is not None and all(_is_lazy(u) for u in arg.users):
+                    found.setdefault(arg, chain)
+    return found
+
+
 def batch_positions(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     """The lazy K/V ops' cache positions, one ``arange(n) + length`` and ``length.add_(n)``
     per layer in Hugging Face's static cache (one small kernel a layer in the step), become two
@@ -927,13 +940,7 @@ def batch_positions(gm: fx.GraphModule, ctx: PassContext, fake_mode) -> None:
     its CPU code still has one a layer (option ``batch_positions``; on an H200 no gain beyond
     the spread, BENCHMARKS.md)."""
     graph = gm.graph
-    found = {}  # positions node -> its chain, in graph order
-    for node in graph.nodes:
-        if _is_lazy(node):
-            for arg in node.args:
-                chain = _position_chain(arg)
-                if chain is not None and all(_is_lazy(u) for u in arg.users):
-                    found.setdefault(arg, chain)
+    found = _lazy_positions(graph)
     steps = {chain[0].args[0] for chain in found.values()}
     if len(found) < 2 or len(steps) != 1:
         return
@@ -968,14 +975,8 @@ def positions_from_length(gm: fx.GraphModule, ctx: PassContext) -> None:
     its bump only (``_position_chain``), so no value changes. A prefill (several new tokens)
     is left as it is."""
     graph = gm.graph
-    found = {}  # positions node -> its chain, in graph order
-    for node in graph.nodes:
-        if _is_lazy(node):
-            for arg in node.args:
-                chain = _position_chain(arg)
-                if chain is not None and chain[0].args[0] == 1 \
-                        and all(_is_lazy(u) for u in arg.users):
-                    found.setdefault(arg, chain)
+    found = {positions: chain for positions, chain in _lazy_positions(graph).items()
+             if chain[0].args[0] == 1}
     if not found:
         return
     lengths = []

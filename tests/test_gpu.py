@@ -584,19 +584,28 @@ def _off_and_on(model, tokens: torch.Tensor, steps: int, base: dict, option: str
     return runs, codes
 
 
+def _small_lazy_step(seed: int, fuse_qkv: bool) -> tuple:
+    """(model, tokens, options) of the small lazy step the captured-step tests compare: a
+    4-layer OPT of width 2048, 32 prompt and 16 decoded tokens, the fixed selector at MLP
+    0.25 and heads 0.5 with lazy K/V (the query fused in or not), compiled without graphs;
+    skips the test before Hopper (programmatic dependent launch)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    model = _small_opt(4, hidden=2048)
+    tokens = torch.randint(0, 512, (1, 32 + 16), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(seed))
+    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
+            "lazy_kv": True, "fuse_qkv": fuse_qkv, "cudagraphs": False}
+    return model, tokens, base
+
+
 def test_multi_kernel_in_the_captured_lazy_step():
     """The bench's ``dejavu_captured_lazy_mk_pdl`` step on an OPT whose rows (2048) are too long
     for Inductor's one-pass layer norm by default: with option ``multi_kernel`` Inductor's code
     holds multi-kernels (each reduction compiled both ways, the faster kept at the first call,
     before the capture), and the replayed step gives the logits of the step without them, to
     the tolerance of fp16 sums added in another order."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs Hopper or later")
-    model = _small_opt(4, hidden=2048)
-    tokens = torch.randint(0, 512, (1, 32 + 16), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(6))
-    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-            "lazy_kv": True, "fuse_qkv": False, "cudagraphs": False}
+    model, tokens, base = _small_lazy_step(6, fuse_qkv=False)
     runs, codes = _off_and_on(model, tokens, 16, base, "multi_kernel",
                               "dejavu_captured_lazy_mk_pdl")
     marker = "async_compile.multi_kernel("
@@ -611,13 +620,7 @@ def test_positions_from_length_in_the_captured_step():
     (each lazy block reads its cache length as its position, the lengths moved on in one
     foreach op at the end) the replayed step gives the logits of the step without it, to the
     tolerance of fp16 sums added in another order."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs Hopper or later")
-    model = _small_opt(4, hidden=2048)
-    tokens = torch.randint(0, 512, (1, 32 + 16), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(7))
-    base = {"selector": "fixed", "mlp_density": 0.25, "attention_density": 0.5,
-            "lazy_kv": True, "fuse_qkv": True, "cudagraphs": False}
+    model, tokens, base = _small_lazy_step(7, fuse_qkv=True)
     runs, _ = _off_and_on(model, tokens, 16, base, "positions_from_length",
                           "dejavu_captured_qkv_lenpos_pdl")
     torch.testing.assert_close(runs[True], runs[False],
