@@ -410,22 +410,27 @@ PROFILED_STEPS = 8  # decode steps --breakdown profiles, after the timed ones
 E2E_PROMPT = 128  # end-to-end: prompt tokens prefilled before the timed steps (--prompt)
 E2E_NEW = 128  # end-to-end: decode steps timed
 BREAKDOWN_ROWS = 12  # kernels and host events a breakdown's table shows (the JSON has them all)
+IDLE_ROWS = 6  # kernels a breakdown names for the idle time before them (the JSON has them all)
 
 
 def _gpu_timeline(prof, steps: int) -> dict | None:
     """How a profiled decode step spends its GPU time, medians over the ``steps`` profiled
     steps: ``span_ms``, first kernel start to last kernel end; ``idle_ms``, the part of it with
     no kernel running; ``concurrent_ms``, the part with two or more kernels running at once
-    (what a side stream overlaps); and ``streams``, how many streams ran kernels. The steps are
-    told apart by the host's wait between them: the ``steps - 1`` longest gaps between kernels
-    are the boundaries. None when fewer than ``steps`` kernels were recorded."""
+    (what a side stream overlaps); ``streams``, how many streams ran kernels; and
+    ``idle_before``, where that idle time sits: for each kernel name that ended a stretch with
+    no kernel running (the kernel whose start ended it), the stretches' time per step (us, the
+    mean over the steps) and their number per step, largest first. The steps are told apart by
+    the host's wait between them: the ``steps - 1`` longest gaps between kernels are the
+    boundaries. None when fewer than ``steps`` kernels were recorded."""
     from torch.autograd import DeviceType
 
     # kernels only: copies and fills (a captured step's input copy) are left out
     kernels = [ev for ev in prof.events()
                if ev.device_type == DeviceType.CUDA
                and not ev.name.startswith(("Memcpy", "Memset"))]
-    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in kernels)
+    timed = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in kernels)
+    spans = [(t0, t1) for t0, t1, _ in timed]
     if len(spans) < steps:
         return None
     ends = [spans[0][1]]
@@ -435,13 +440,19 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
     cuts = sorted(gaps[len(gaps) - (steps - 1):]) if steps > 1 else []
     bounds = [0, *cuts, len(spans)]
     span, idle, concurrent = [], [], []
+    before: dict[str, list] = {}  # kernel name -> [idle us before it, stretches], all steps
     for a, b in itertools.pairwise(bounds):
         # sweep the step's starts (+1) and ends (-1) in time order, ends first at a tie
-        marks = sorted([(t0, 1) for t0, _ in spans[a:b]] + [(t1, -1) for _, t1 in spans[a:b]])
+        marks = sorted([(t0, 1, name) for t0, _, name in timed[a:b]]
+                       + [(t1, -1, name) for _, t1, name in timed[a:b]])
         running, last, alone, both = 0, marks[0][0], 0.0, 0.0
-        for t, step in marks:
+        for t, step, name in marks:
             if running == 0:
                 alone += t - last
+                if t > last:  # a start after a stretch with nothing running
+                    mine = before.setdefault(name, [0.0, 0])
+                    mine[0] += t - last
+                    mine[1] += 1
             elif running >= 2:
                 both += t - last
             running, last = running + step, t
@@ -449,8 +460,12 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
         idle.append(alone)
         concurrent.append(both)
     streams = {getattr(ev, "device_resource_id", None) for ev in kernels}
+    idle_before = [{"kernel": name[:90], "us_per_step": us / steps, "gaps_per_step": n / steps}
+                   for name, (us, n) in before.items()]
+    idle_before.sort(key=lambda r: -r["us_per_step"])
     return {"span_ms": statistics.median(span) / 1e3, "idle_ms": statistics.median(idle) / 1e3,
-            "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams)}
+            "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams),
+            "idle_before": idle_before}
 
 
 def _host_breakdown(prof, steps: int) -> list[dict]:
@@ -1769,6 +1784,12 @@ def _breakdown_markdown(r: dict) -> list[str]:
     if busy:
         lines += ["", "Busy time per step of each stream, 1 the busiest: "
                   + ", ".join(f"{i + 1}: {us / 1e3:.2f} ms" for i, us in enumerate(busy)) + "."]
+    before = r.get("gpu_idle_before")  # (a JSON written before the seventy-fifth session: none)
+    if before:
+        lines += ["", "Time a step with no kernel running, by the kernel whose start ended it "
+                  f"(the {IDLE_ROWS} largest; us a step, stretches a step): "
+                  + "; ".join(f"`{g['kernel'].replace('|', '/')}` {g['us_per_step']:.1f} "
+                              f"({g['gaps_per_step']:.1f})" for g in before[:IDLE_ROWS]) + "."]
     lines.append("")
     if r.get("host_breakdown"):
         lines += [f"Host time per decode step, {r['model']} {mode} (torch.profiler with CPU "

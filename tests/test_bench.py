@@ -208,6 +208,12 @@ def test_gpu_timeline_splits_the_profiled_steps():
     assert three["idle_ms"] == pytest.approx(0.002)  # median of 2, 150, 0 us
     assert three["concurrent_ms"] == 0.0  # median of 0, 20, 0 us
     assert three["streams"] == 2
+    # where the idle time sits, by the kernel that ended it (a mean over the three steps):
+    # 2 us before the first step's second kernel, 150 us before the second step's third
+    steps[1][2].name = "late"
+    assert bench._gpu_timeline(prof, 3)["idle_before"] == [
+        {"kernel": "late", "us_per_step": 50.0, "gaps_per_step": pytest.approx(1 / 3)},
+        {"kernel": "k", "us_per_step": pytest.approx(2 / 3), "gaps_per_step": pytest.approx(1 / 3)}]
     # the first two steps alone: a median of two is the mean (idle 2 and 150 us, concurrent 0
     # and 20 us)
     prof = SimpleNamespace(events=lambda: [k for step in steps[:2] for k in step])
@@ -234,6 +240,8 @@ def test_markdown_has_every_section():
                                     "calls_per_step": 2}],
                      "gpu_span_ms": 4.5, "gpu_idle_ms": 0.75, "gpu_concurrent_ms": 0.125,
                      "gpu_streams": 2,
+                     "gpu_idle_before": [{"kernel": "j|2", "us_per_step": 600.0,
+                                          "gaps_per_step": 40.0}],
                      "host_breakdown": [
                          {"event": "cudaGraphLaunch", "self_us_per_step": 250.0,
                           "total_us_per_step": 250.0, "calls_per_step": 1},
@@ -263,6 +271,8 @@ def test_markdown_has_every_section():
     assert ("last kernel end 4.50 ms a step, of which 0.75 ms with no kernel running and "
             "0.12 ms with two or more at once; kernels on 2 streams") in text
     assert "| `k/1` | 3.0 |  |  | 2 |" in text  # a '|' in a kernel name would break the table
+    assert ("with no kernel running, by the kernel whose start ended it (the 6 largest; us a "
+            "step, stretches a step): `j/2` 600.0 (40.0).") in text
     # the JSON keeps every kernel, the table the first BREAKDOWN_ROWS and the total
     many = [{"kernel": f"k{i}", "us_per_step": 100.0 - i, "calls_per_step": 1} for i in range(20)]
     shown = bench._breakdown_markdown({**result["e2e"][1], "breakdown": many + [
