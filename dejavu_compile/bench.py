@@ -1536,10 +1536,33 @@ def _run_child(cmd: list[str], timeout: float | None) -> tuple[int, str]:
     return out.returncode, (out.stdout + out.stderr)[-2000:]
 
 
+def parse_variants(specs: list[str] | None) -> dict[str, str]:
+    """``--variants``' ``LABEL=FILE`` items as {label: file}, in the order given; a malformed
+    item, an empty or repeated label, or a file ``load_tuned`` cannot read is an error naming
+    it."""
+    variants: dict[str, str] = {}
+    for spec in specs or []:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--variants: {spec!r} is not LABEL=FILE")
+        if label in variants:
+            raise ValueError(f"--variants: label {label!r} is given twice")
+        load_tuned(path)  # read now: a bad file fails the run before any process starts
+        variants[label] = path
+    return variants
+
+
+def _variant_runs(modes: list[str], variants: dict[str, str]) -> list[tuple[str, str | None]]:
+    """(mode, variant label or None) for every process of a round: each mode as it is, then
+    each dejavu mode once more per variant."""
+    return [(m, None) for m in modes] + [(m, label) for label in variants for m in modes
+                                         if m.startswith("dejavu")]
+
+
 def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
              breakdown: bool = False, tuned: str | None = None, timeout: float | None = None,
              runner=_run_child, cpus: list[int] | None = None,
-             prompt: int = E2E_PROMPT) -> dict:
+             prompt: int = E2E_PROMPT, variants: dict[str, str] | None = None) -> dict:
     """End-to-end decode latency with every mode in a process of its own, ``rounds`` times,
     the modes' order reversed every other round: a mode's time then owes nothing to the modes
     measured before it in the same process, and a drift of the machine over the run falls on
@@ -1550,7 +1573,12 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
     with all configs recorded so far (and those of ``tuned``, which come first), so every
     round runs the same tiles. A process that fails or passes ``timeout`` seconds is listed
     under ``failed`` with the tail of its output; the run goes on. ``cpus``: every process's
-    timed steps pinned to these CPUs (``decode_latency``); ``prompt``: its prompt tokens."""
+    timed steps pinned to these CPUs (``decode_latency``); ``prompt``: its prompt tokens.
+    ``variants``: {label: tuned-configs file}; each dejavu mode is also measured once per
+    label in each round, in the same alternating order, its process running that file's
+    configs first (a kernel tile against the run's own, side by side); its rows carry the
+    label (``variant``), and the configs of its file's keys are never passed to the other
+    processes."""
     check_prompt(prompt, models, _checked(models), breakdown)
     cpus = check_cpus(cpus)
     if rounds < 1:
@@ -1562,6 +1590,11 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
         result["cpus"] = cpus
     if tuned:
         result["tuned_from"] = {"path": tuned, "keys": sum(len(v) for v in configs.values())}
+    variants = variants or {}
+    own = {label: load_tuned(path) for label, path in variants.items()}
+    if variants:
+        result["variants"] = {label: {"path": path, "keys": sum(map(len, own[label].values()))}
+                              for label, path in variants.items()}
 
     def save() -> None:
         result["tuned"] = configs
@@ -1569,16 +1602,19 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
             with open(out_json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    modes = list(dict.fromkeys(modes))
+    runs = _variant_runs(list(dict.fromkeys(modes)), variants)
     with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as workdir:
         for r, name in itertools.product(range(rounds), models):
-            for mode in (modes if r % 2 == 0 else modes[::-1]):
-                child_json = os.path.join(workdir, f"{name}-{mode}-{r}.json")
-                seeds = None
-                if configs:
-                    seeds = os.path.join(workdir, "tuned.json")
+            for mode, label in (runs if r % 2 == 0 else runs[::-1]):
+                tag = mode if label is None else f"{mode}-v{list(variants).index(label)}"
+                child_json = os.path.join(workdir, f"{name}-{tag}-{r}.json")
+                # the variant's configs first, then those recorded so far
+                known = merge_tuned({k: list(v) for k, v in own[label].items()} if label else {},
+                                    configs)
+                seeds = os.path.join(workdir, "tuned.json") if known else None
+                if seeds:
                     with open(seeds, "w") as f:
-                        json.dump(configs, f)
+                        json.dump(known, f)
                 code, tail = runner(child_command(name, mode, child_json, breakdown, seeds,
                                                   cpus, prompt), timeout)
                 child = None
@@ -1588,14 +1624,22 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
                 rows = child["e2e"] if child else []
                 if code != 0 or not rows:
                     result["failed"].append({"model": name, "mode": mode, "round": r,
-                                             "returncode": code, "output": tail})
+                                             "returncode": code, "output": tail,
+                                             **({"variant": label} if label else {})})
                 if child:
                     result["gpu"], result["copy_gbs"] = child["gpu"], child["copy_gbs"]
-                    merge_tuned(configs, child.get("tuned") or {})
+                    recorded = child.get("tuned") or {}
+                    if label:  # the variant's own keys stay its own
+                        recorded = {k: [e for e in v if e["key"] not in
+                                        [x["key"] for x in own[label].get(k, [])]]
+                                    for k, v in recorded.items()}
+                    merge_tuned(configs, recorded)
                     if child.get("shipped"):
                         result.setdefault("shipped", child["shipped"])
                 for row in rows:
                     row["round"] = r
+                    if label:
+                        row["variant"] = label
                     row.pop("tuned", None)  # the run's configs are kept once, in "tuned"
                     result["e2e"].append(row)
                     print(json.dumps({k: v for k, v in row.items()
@@ -1633,8 +1677,12 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
                   "(`--cpus`; warm-up, compiling and tuning unpinned).", ""]
     if result.get("complete") is False:
         lines += ["Partial: the run stopped before its end; these are the results it wrote.", ""]
+    for label, src in (result.get("variants") or {}).items():
+        lines += [f"Variant `{label}`: each dejavu mode measured again with {src['keys']} "
+                  f"tuning keys from `{src['path']}` first (rows marked [{label}]).", ""]
     for f in result.get("failed", []):
-        lines += [f"Failed: {f['model']} {f['mode']} in round {f['round']} (return code "
+        mode = f["mode"] + (f" [{f['variant']}]" if f.get("variant") else "")
+        lines += [f"Failed: {f['model']} {mode} in round {f['round']} (return code "
                   f"{f['returncode']}): `{(f['output'].strip().splitlines() or [''])[-1]}`",
                   ""]
     if result.get("tuned_from"):
@@ -1707,8 +1755,15 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
 
 
 def _mode_label(row: dict) -> str:
-    """A result row's mode, with its round when an isolated run measured it."""
-    return row["mode"] if row.get("round") is None else f"{row['mode']} (round {row['round']})"
+    """A result row's mode, with its variant's label and its round when an isolated run
+    measured it."""
+    mode = _variant_mode(row)
+    return mode if row.get("round") is None else f"{mode} (round {row['round']})"
+
+
+def _variant_mode(row: dict) -> str:
+    """A row's mode, with the label of the ``--variants`` file it ran with."""
+    return row["mode"] + (f" [{row['variant']}]" if row.get("variant") else "")
 
 
 def _over_dense_floor(row: dict) -> str:
@@ -1731,8 +1786,8 @@ def _rounds_markdown(rows: list[dict], hf: dict) -> list[str]:
              "median over HF compiled | median over the dense byte floor |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for (model, mode), group in itertools.groupby(
-            sorted(rounds, key=lambda r: (r["model"], r["mode"], r["round"])),
-            key=lambda r: (r["model"], r["mode"])):
+            sorted(rounds, key=lambda r: (r["model"], _variant_mode(r), r["round"])),
+            key=lambda r: (r["model"], _variant_mode(r))):
         group = list(group)
         ratios = [r["ms_per_token"] / hf[(model, r["round"])] for r in group
                   if (model, r["round"]) in hf]

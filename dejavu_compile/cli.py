@@ -49,11 +49,18 @@ def _bench(args) -> int:
         if not args.no_kernels or args.no_e2e or args.kv:
             raise SystemExit("dejavu bench: --isolate measures the end-to-end modes only; "
                              "give --no-kernels, and neither --no-e2e nor --kv")
+        try:
+            variants = bench.parse_variants(args.variants)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"dejavu bench: {e}") from None
         result = bench.isolated(args.models, args.modes, args.isolate, out_json=args.json,
                                 breakdown=args.breakdown, tuned=args.tuned,
                                 timeout=args.child_timeout, cpus=args.cpus,
-                                prompt=args.prompt)
+                                prompt=args.prompt, variants=variants)
     else:
+        if args.variants:
+            raise SystemExit("dejavu bench: --variants needs --isolate (each variant runs in "
+                             "processes of its own)")
         result = bench.run(args.models, out_json=args.json, kernels=not args.no_kernels,
                            e2e=not args.no_e2e, modes=args.modes, kv=args.kv,
                            breakdown=args.breakdown, kv_attention=args.kv_attention,
@@ -352,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every end-to-end mode in a process of its own, ROUNDS times, the "
                         "modes' order reversed every other round; ratios against the same "
                         "round's hf_compiled, and their medians (needs --no-kernels)")
+    p.add_argument("--variants", nargs="+", metavar="LABEL=FILE",
+                   help="with --isolate: measure every dejavu mode again with each FILE's "
+                        "tuned configs first (a bench JSON or its 'tuned'), in the same "
+                        "alternating order, its rows marked [LABEL]: a kernel tile against "
+                        "the run's own, side by side")
     p.add_argument("--child-timeout", type=float, metavar="S",
                    help="with --isolate: stop a mode's process after S seconds (listed as "
                         "failed; the run goes on)")

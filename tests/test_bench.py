@@ -935,6 +935,63 @@ def test_isolated_runs_each_mode_in_its_own_process_in_alternating_order(monkeyp
         bench.isolated(["opt-13b"], ["hf_compiled"], 0, runner=runner)
 
 
+def test_variants_measure_each_dejavu_mode_again_with_their_configs(monkeypatch, tmp_path):
+    """``dejavu bench --isolate N --variants LABEL=FILE``: each dejavu mode runs once more per
+    variant in every round, in the same alternating order, its process with the file's
+    configs first; those configs never reach the other processes; the rows and the medians
+    carry the label, and each ratio is against the same round's hf_compiled."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    tile = tmp_path / "tile.json"
+    tile.write_text(json.dumps({"tuned": {"k._down": [{"key": [5], "config": {"n": 64}}]}}))
+    calls = []
+
+    def runner(cmd, timeout):
+        mode, out = cmd[cmd.index("--modes") + 1], cmd[cmd.index("--json") + 1]
+        seeds = json.load(open(cmd[cmd.index("--tuned") + 1])) if "--tuned" in cmd else {}
+        variant = seeds.get("k._down", [{}])[0].get("config") == {"n": 64}
+        calls.append((mode, variant, seeds))
+        row = {"model": "opt-13b", "mode": mode, "ms_per_token": 3.0 if variant else 4.0,
+               "p20": 1.0, "p80": 2.0, "bytes_per_token": 1e9, "floor_ms": 0.2,
+               "peak_gib": 1.0, "operating_point": {"mlp": 0.1, "attention": 0.5}}
+        if mode == "hf_compiled":
+            row["ms_per_token"] = 10.0
+        # every dejavu process records the down key's config it ran and a key of its own
+        tuned = {} if mode == "hf_compiled" else {
+            "k._down": [{"key": [5], "config": {"n": 64 if variant else 16}}],
+            "k._up": [{"key": [1], "config": {"n": 1}}]}
+        json.dump({"gpu": "H", "copy_gbs": 4000.0, "e2e": [row], "tuned": tuned},
+                  open(out, "w"))
+        return 0, ""
+
+    variants = bench.parse_variants([f"d64={tile}"])
+    result = bench.isolated(["opt-13b"], ["hf_compiled", "dejavu_sparse"], 2, runner=runner,
+                            variants=variants)
+    assert [(m, v) for m, v, _ in calls] == [
+        ("hf_compiled", False), ("dejavu_sparse", False), ("dejavu_sparse", True),
+        ("dejavu_sparse", True), ("dejavu_sparse", False), ("hf_compiled", False)]
+    # the plain processes after the variant's never see its tile: only what they tuned
+    assert calls[3][2]["k._down"][0]["config"] == {"n": 64}
+    assert calls[4][2]["k._down"] == [{"key": [5], "config": {"n": 16}}]
+    assert calls[4][2]["k._up"] == [{"key": [1], "config": {"n": 1}}]
+    assert [r.get("variant") for r in result["e2e"]] == [None, None, "d64", "d64", None, None]
+    text = bench.markdown(result, "dejavu bench --isolate 2", "abc1234", "2026-12-07")
+    assert f"Variant `d64`: each dejavu mode measured again with 1 tuning keys from `{tile}`" \
+        in text
+    assert "| opt-13b | dejavu_sparse [d64] (round 1) | MLP 0.1, attention 0.5 | 3.00" in text
+    medians = [line for line in text.splitlines()
+               if line.startswith(("| opt-13b | dejavu_sparse | 2 |",
+                                   "| opt-13b | dejavu_sparse [d64] | 2 |"))]
+    assert medians == ["| opt-13b | dejavu_sparse | 2 | 4.00, 4.00 | 4.00 | 0.400x |  |",
+                       "| opt-13b | dejavu_sparse [d64] | 2 | 3.00, 3.00 | 3.00 | 0.300x |  |"]
+    for bad, why in (("d64", "is not LABEL=FILE"), ("=x.json", "is not LABEL=FILE")):
+        with pytest.raises(ValueError, match=why):
+            bench.parse_variants([bad])
+    with pytest.raises(ValueError, match="label 'a' is given twice"):
+        bench.parse_variants([f"a={tile}", f"a={tile}"])
+    with pytest.raises(FileNotFoundError):
+        bench.parse_variants([f"a={tmp_path / 'missing.json'}"])
+
+
 def test_isolate_builds_a_child_command_the_cli_reads(monkeypatch):
     """The child's command line is one the ``dejavu bench`` parser accepts, for one model and
     one mode, with the JSON it is read back from; ``--isolate`` refuses the kernel sweep."""
@@ -951,6 +1008,10 @@ def test_isolate_builds_a_child_command_the_cli_reads(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="--isolate measures the end-to-end modes only"):
         cli.main(["bench", "--models", "opt-13b", "--isolate", "2"])
+    with pytest.raises(SystemExit, match="--variants needs --isolate"):
+        cli.main(["bench", "--no-kernels", "--variants", "a=t.json"])
+    with pytest.raises(SystemExit, match="'a' is not LABEL=FILE"):
+        cli.main(["bench", "--no-kernels", "--isolate", "1", "--variants", "a"])
 
 
 def test_the_cli_passes_the_sweep_densities(monkeypatch):
