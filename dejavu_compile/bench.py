@@ -822,6 +822,20 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_allattn_pdl", "dejavu_captured_qkv_chunk32_pdl",
          "dejavu_captured_qkv_lenpos_pdl")
 SPARSE_MODES = MODES[4:]
+# each bench shape's default decode step (the backend's default options, replayed through
+# CapturedStep): OPT's with the query, key and value in the lazy K/V launch; the other shapes'
+# (Llama's family) the lookahead step with Inductor's kernels launched programmatically too
+DEFAULT_STEPS = {"opt-13b": "dejavu_captured_qkv_pdl", "opt-6.7b": "dejavu_captured_qkv_pdl"}
+DEFAULT_STEP = "dejavu_captured_ahead_ipdl_pdl"
+
+
+def default_modes(name: str) -> tuple[str, ...]:
+    """The end-to-end modes run when none are named: issue 4's rows for the shape ``name`` (HF
+    eager, HF static cache + ``torch.compile``, dejavu at density 1.0, and the model's default
+    step at its operating point). ``MODES`` has every other mode, each run only when named."""
+    return ("hf_eager", "hf_compiled", "dejavu_dense", DEFAULT_STEPS.get(name, DEFAULT_STEP))
+
+
 # the options of the lookahead steps replayed through CapturedStep with lazy K/V (option
 # lazy_kv), the query projection in a launch of its own or in the lazy K/V launch (fuse_qkv):
 # the base of OPT-13B's modes below, which the bench reads and never changes
@@ -1414,7 +1428,7 @@ def check_densities(densities) -> None:
 
 
 def run(models: list[str], out_json: str | None = None, kernels: bool = True,
-        e2e: bool = True, modes=MODES, kv: bool = False, breakdown: bool = False,
+        e2e: bool = True, modes=None, kv: bool = False, breakdown: bool = False,
         kv_attention: str = KV_ATTENTION[0], tuned: str | None = None,
         densities=DENSITIES, blocks=SWEEP_BLOCKS, cpus: list[int] | None = None,
         prompt: int = E2E_PROMPT) -> dict:
@@ -1425,7 +1439,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
     ``shipped_configs``) if any.
     ``densities``: the kernel sweep's, each in (0, 1]; ``blocks``: its parts (``SWEEP_BLOCKS``).
     ``cpus``: the end-to-end modes' timed steps pinned to these CPUs (``decode_latency``).
-    ``prompt``: the end-to-end modes' prompt tokens (``check_prompt``)."""
+    ``prompt``: the end-to-end modes' prompt tokens (``check_prompt``). ``modes``: the
+    end-to-end modes of every model; None: each model's ``default_modes``."""
     cpus = check_cpus(cpus)
     if kernels:
         check_densities(densities)
@@ -1476,7 +1491,8 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
         if e2e:
             point = OPERATING_POINTS[name]
             positions = cache_positions(prompt, breakdown)
-            for res in end_to_end(name, configs[name], point, prompt=prompt, modes=modes,
+            for res in end_to_end(name, configs[name], point, prompt=prompt,
+                                  modes=modes or default_modes(name),
                                   breakdown=breakdown, cpus=cpus):
                 row = {"model": name, "mode": res.mode, "ms_per_token": res.ms_per_token,
                        "p20": res.spread[0], "p80": res.spread[1],
@@ -1578,7 +1594,7 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
     label in each round, in the same alternating order, its process running that file's
     configs first (a kernel tile against the run's own, side by side); its rows carry the
     label (``variant``), and the configs of its file's keys are never passed to the other
-    processes."""
+    processes. ``modes`` None: each model's ``default_modes``."""
     check_prompt(prompt, models, _checked(models), breakdown)
     cpus = check_cpus(cpus)
     if rounds < 1:
@@ -1602,10 +1618,11 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
             with open(out_json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    runs = _variant_runs(list(dict.fromkeys(modes)), variants)
+    runs = {name: _variant_runs(list(dict.fromkeys(modes or default_modes(name))), variants)
+            for name in models}
     with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as workdir:
         for r, name in itertools.product(range(rounds), models):
-            for mode, label in (runs if r % 2 == 0 else runs[::-1]):
+            for mode, label in (runs[name] if r % 2 == 0 else runs[name][::-1]):
                 tag = mode if label is None else f"{mode}-v{list(variants).index(label)}"
                 child_json = os.path.join(workdir, f"{name}-{tag}-{r}.json")
                 # the variant's configs first, then those recorded so far

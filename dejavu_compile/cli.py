@@ -339,8 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the kernel sweep's densities, each in (0, 1]")
     p.add_argument("--blocks", nargs="+", default=list(SWEEP_BLOCKS), choices=SWEEP_BLOCKS,
                    help="the kernel sweep's parts to run")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
-                   help="end-to-end modes to run")
+    p.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
+                   help="end-to-end modes to run, of: %(choices)s (default: each model's "
+                        "hf_eager, hf_compiled, dejavu_dense and default step, "
+                        "bench.default_modes)")
     p.add_argument("--prompt", type=int, default=E2E_PROMPT, metavar="TOKENS",
                    help=f"end-to-end: prompt tokens prefilled before the {E2E_NEW} timed "
                         "decode steps (the cache and attention grow with it)")

@@ -1038,6 +1038,49 @@ def test_the_cli_passes_the_sweep_densities(monkeypatch):
     assert blocks == [["attention"], list(bench.SWEEP_BLOCKS)]
 
 
+def test_without_modes_each_model_runs_its_own_default_step(monkeypatch):
+    """``dejavu bench`` with no ``--modes`` runs issue 4's rows of each model, the model's own
+    default step among them, not every mode there is; named modes run for every model."""
+    from dejavu_compile import cli
+
+    assert bench.default_modes("opt-13b") == ("hf_eager", "hf_compiled", "dejavu_dense",
+                                              "dejavu_captured_qkv_pdl")
+    assert bench.default_modes("llama-3-8b")[-1] == "dejavu_captured_ahead_ipdl_pdl"
+    configs = bench.shape_configs()
+    assert all(m in bench.MODES for name in configs for m in bench.default_modes(name))
+    # every OPT shape runs OPT's step
+    assert {n for n in configs if configs[n].model_type == "opt"} == set(bench.DEFAULT_STEPS)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 4e12)
+    seen = []
+
+    def end_to_end(name, cfg, point, prompt, modes, breakdown, cpus):
+        seen.append((name, tuple(modes)))
+        return iter(())
+
+    monkeypatch.setattr(bench, "end_to_end", end_to_end)
+    monkeypatch.setattr(bench, "markdown", lambda *a: "")
+    assert cli.main(["bench", "--no-kernels", "--models", "opt-13b", "llama-3-8b"]) == 0
+    assert seen == [(n, bench.default_modes(n)) for n in ("opt-13b", "llama-3-8b")]
+    seen.clear()
+    assert cli.main(["bench", "--no-kernels", "--models", "opt-13b", "llama-3-8b",
+                     "--modes", "dejavu_sparse"]) == 0
+    assert seen == [("opt-13b", ("dejavu_sparse",)), ("llama-3-8b", ("dejavu_sparse",))]
+
+    calls = []
+
+    def runner(cmd, timeout):
+        calls.append((cmd[cmd.index("--models") + 1], cmd[cmd.index("--modes") + 1]))
+        return 1, "not run"
+
+    bench.isolated(["opt-13b", "llama-3-8b"], None, 2, runner=runner)
+    opt, llama = bench.default_modes("opt-13b"), bench.default_modes("llama-3-8b")
+    assert calls == ([("opt-13b", m) for m in opt] + [("llama-3-8b", m) for m in llama]
+                     + [("opt-13b", m) for m in opt[::-1]]
+                     + [("llama-3-8b", m) for m in llama[::-1]])
+
+
 def test_a_child_process_gives_its_code_and_output_or_times_out():
     """``isolated``'s runner: a child's return code and the tail of its output; a child past
     its time limit is stopped and reported as timed out (-1)."""
