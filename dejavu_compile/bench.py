@@ -401,6 +401,10 @@ class DecodeResult:
     gpu_timeline: dict | None = None
     # with --breakdown: ``_host_breakdown`` of as many steps again, profiled on the host
     host_breakdown: list[dict] | None = None
+    # with --breakdown: ``_kernel_breakdown`` and ``_window_timeline`` of as many steps again
+    # launched back to back, after the pipelined loop's timed ones
+    pipelined_breakdown: list[dict] | None = None
+    pipelined_timeline: dict | None = None
     # the bytes of the model's weights read densely (``weight_bytes``), whatever the mode
     # reads: their floor is the dense byte floor, half of which is issue 4's stretch target
     dense_bytes: int | None = None
@@ -466,6 +470,22 @@ def _gpu_timeline(prof, steps: int) -> dict | None:
     return {"span_ms": statistics.median(span) / 1e3, "idle_ms": statistics.median(idle) / 1e3,
             "concurrent_ms": statistics.median(concurrent) / 1e3, "streams": len(streams),
             "idle_before": idle_before}
+
+
+def _window_timeline(prof, steps: int) -> dict | None:
+    """``_gpu_timeline``'s figures for ``steps`` decode steps launched back to back, per step.
+    No host wait tells such steps apart, so the profiled window is taken whole and each figure
+    (its span, the time with no kernel running and with two or more, each kernel's idle time
+    before it and its stretches) is divided by ``steps``. None when no kernel was recorded."""
+    whole = _gpu_timeline(prof, 1)
+    if whole is None:
+        return None
+    for k in ("span_ms", "idle_ms", "concurrent_ms"):
+        whole[k] /= steps
+    for g in whole["idle_before"]:
+        g["us_per_step"] /= steps
+        g["gaps_per_step"] /= steps
+    return whole
 
 
 def _host_breakdown(prof, steps: int) -> list[dict]:
@@ -730,14 +750,20 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     if host_prof is not None:
         host_prof.stop()
     with pinned(cpus):
-        pipelined = _pipelined_ms(model, forward, ids, new, length)
+        pipelined, piped_prof = _pipelined(model, forward, ids, new, length,
+                                           PROFILED_STEPS if breakdown else 0)
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
     timeline = _gpu_timeline(prof, PROFILED_STEPS) if prof is not None else None
     host_events = _host_breakdown(host_prof, PROFILED_STEPS) if host_prof is not None else None
+    piped = {}
+    if piped_prof is not None:
+        piped = {"pipelined_breakdown": _kernel_breakdown(piped_prof, PROFILED_STEPS),
+                 "pipelined_timeline": _window_timeline(piped_prof, PROFILED_STEPS)}
     return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
-                        kernels, statistics.median(host), pipelined, timeline, host_events)
+                        kernels, statistics.median(host), pipelined, timeline, host_events,
+                        **piped)
 
 
 # untimed steps of the pipelined loop on its cache before the timed ones: a cache at new
@@ -758,31 +784,47 @@ def _rewind(cache, length: int) -> None:
             count.fill_(length)
 
 
-def _pipelined_ms(model, forward, ids: torch.Tensor, new: int, length: int) -> float:
+def _pipelined(model, forward, ids: torch.Tensor, new: int, length: int,
+               profiled: int = 0) -> tuple[float, object | None]:
     """ms per token of ``new`` decode steps after a prefill of ``ids`` into a static cache of
     ``length`` positions (the timed steps' length: another would recompile), launched without
     waiting for each other: the next token and its position never leave the GPU, and the one
     synchronisation is after the last step. ``PIPELINE_WARMUP`` steps on the same cache come
-    first, untimed; the timed steps then start again from the prompt's end (``_rewind``)."""
+    first, untimed; the timed steps then start again from the prompt's end (``_rewind``).
+    Also, with ``profiled``, the finished CUDA profiler of that many more steps launched back
+    to back after the timed ones, from where they stopped (the cache needs room for them);
+    else None."""
     prompt = ids.shape[1]
     cache, mask = _prefilled(model, ids, length)
 
-    def steps(count: int) -> None:
-        pos = torch.full((1,), prompt, device=ids.device)
-        tok = ids[:, -1:]
+    def steps(count: int, pos: torch.Tensor, tok: torch.Tensor):
         for _ in range(count):
             out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
                           position_ids=pos[None], attention_mask=mask, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             pos = pos + 1  # a fresh tensor, like the timed loop's (a view would recompile)
+        return pos, tok
 
-    steps(PIPELINE_WARMUP)
+    def first():
+        return torch.full((1,), prompt, device=ids.device), ids[:, -1:]
+
+    steps(PIPELINE_WARMUP, *first())
     _rewind(cache, prompt)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    steps(new)
+    pos, tok = steps(new, *first())
     torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start) / new
+    ms = 1e3 * (time.perf_counter() - start) / new
+    if not profiled:
+        return ms, None
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.start()
+    steps(profiled, pos, tok)
+    torch.cuda.synchronize()
+    prof.stop()
+    return ms, prof
 
 
 def weight_bytes(model) -> int:
@@ -1510,6 +1552,9 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                         row.update({f"gpu_{k}": v for k, v in res.gpu_timeline.items()})
                 if res.host_breakdown is not None:
                     row["host_breakdown"] = res.host_breakdown
+                if res.pipelined_breakdown is not None:
+                    row["pipelined_breakdown"] = res.pipelined_breakdown
+                    row["pipelined_timeline"] = res.pipelined_timeline
                 row["tuned"] = tuning.tuned()  # the configs so far: the modes share them
                 result["e2e"].append(row)
                 print(json.dumps(row), flush=True)
@@ -1660,7 +1705,8 @@ def isolated(models: list[str], modes, rounds: int, out_json: str | None = None,
                     row.pop("tuned", None)  # the run's configs are kept once, in "tuned"
                     result["e2e"].append(row)
                     print(json.dumps({k: v for k, v in row.items()
-                                      if k not in ("breakdown", "host_breakdown")}), flush=True)
+                                      if k not in ("breakdown", "host_breakdown",
+                                                   "pipelined_breakdown")}), flush=True)
                 save()
     result["complete"] = not result["failed"]
     save()
@@ -1852,17 +1898,10 @@ def _breakdown_markdown(r: dict) -> list[str]:
               "call's end, so that each stream's rows add up to its busy time. stream: the "
               "streams a kernel ran on, 1 the busiest (in a CUDA graph's replay, the streams the "
               "driver ran the graph's branches on)."]
-    busy = r["breakdown"][-1].get("stream_busy_us_per_step")
-    if busy:
-        lines += ["", "Busy time per step of each stream, 1 the busiest: "
-                  + ", ".join(f"{i + 1}: {us / 1e3:.2f} ms" for i, us in enumerate(busy)) + "."]
-    before = r.get("gpu_idle_before")  # (a JSON written before the seventy-fifth session: none)
-    if before:
-        lines += ["", "Time a step with no kernel running, by the kernel whose start ended it "
-                  f"(the {IDLE_ROWS} largest; us a step, stretches a step): "
-                  + "; ".join(f"`{g['kernel'].replace('|', '/')}` {g['us_per_step']:.1f} "
-                              f"({g['gaps_per_step']:.1f})" for g in before[:IDLE_ROWS]) + "."]
+    lines += _busy_idle_markdown(r["breakdown"], r.get("gpu_idle_before"))
     lines.append("")
+    if r.get("pipelined_breakdown"):
+        lines += _pipelined_markdown(r)
     if r.get("host_breakdown"):
         lines += [f"Host time per decode step, {r['model']} {mode} (torch.profiler with CPU "
                   f"activity, over {PROFILED_STEPS} more steps; the profiler slows the host):",
@@ -1876,6 +1915,50 @@ def _breakdown_markdown(r: dict) -> list[str]:
                          f"{e['calls_per_step']:.0f} |")
         lines.append("")
     return lines
+
+
+def _busy_idle_markdown(breakdown: list[dict], before: list[dict] | None) -> list[str]:
+    """A breakdown's busy time per stream and where its idle time sits, as lines."""
+    lines = []
+    busy = breakdown[-1].get("stream_busy_us_per_step")
+    if busy:
+        lines += ["", "Busy time per step of each stream, 1 the busiest: "
+                  + ", ".join(f"{i + 1}: {us / 1e3:.2f} ms" for i, us in enumerate(busy)) + "."]
+    if before:  # (a JSON written before the seventy-fifth session: none)
+        lines += ["", "Time a step with no kernel running, by the kernel whose start ended it "
+                  f"(the {IDLE_ROWS} largest; us a step, stretches a step): "
+                  + "; ".join(f"`{g['kernel'].replace('|', '/')}` {g['us_per_step']:.1f} "
+                              f"({g['gaps_per_step']:.1f})" for g in before[:IDLE_ROWS]) + "."]
+    return lines
+
+
+def _pipelined_markdown(r: dict) -> list[str]:
+    """The breakdown of the steps launched back to back beside that of the steps one at a
+    time: which kernels take longer when no host wait separates the steps."""
+    piped, timeline = r["pipelined_breakdown"], r.get("pipelined_timeline") or {}
+    alone = {k["kernel"]: k.get("path_us_per_step") for k in r["breakdown"]}
+    window = ""
+    if timeline:
+        window = (f"; first kernel start to last kernel end {timeline['span_ms']:.2f} ms a "
+                  f"step, of which {timeline['idle_ms']:.2f} ms with no kernel running and "
+                  f"{timeline['concurrent_ms']:.2f} ms with two or more at once")
+    pipelined = r.get("pipelined_ms")
+    lines = [f"GPU kernel time per step launched back to back, {r['model']} {_mode_label(r)} "
+             f"(torch.profiler over {PROFILED_STEPS} steps after the pipelined loop's timed "
+             f"ones, the window taken whole"
+             + ("" if pipelined is None else f"; pipelined {pipelined:.2f} ms a token")
+             + f"{window}):", "",
+             "| kernel | us per step after its stream's kernel before, back to back | the same, "
+             "one step at a time | back to back less one at a time | calls per step |",
+             "| --- | --- | --- | --- | --- |"]
+    for k in _shown(piped):
+        mine, other = k["path_us_per_step"], alone.get(k["kernel"])
+        diff = "" if other is None else f"{mine - other:+.1f}"
+        lines.append(f"| `{k['kernel'].replace('|', '/')}` | {mine:.1f} | "
+                     f"{'' if other is None else f'{other:.1f}'} | {diff} | "
+                     f"{k['calls_per_step']:.0f} |")
+    lines += _busy_idle_markdown(piped, timeline.get("idle_before"))
+    return lines + [""]
 
 
 _KV_KERNEL = {"dejavu": "split-K `dejavu::decode_attention` kernel", "sdpa": "SDPA call"}

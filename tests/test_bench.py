@@ -283,6 +283,31 @@ def test_markdown_has_every_section():
     assert "| `cudaGraphLaunch` | 250.0 | 250.0 | 1 |" in text
     assert "| `(all events)` | 900.0 |  | 40 |" in text
     assert text.count("Host time per decode step") == 1  # hf_compiled has no breakdown
+    assert "per step launched back to back" not in text  # a JSON without the pipelined profile
+    # the steps launched back to back, each kernel beside its time one step at a time
+    topk = {**result["e2e"][1], "breakdown": [
+        {"kernel": "k|1", "us_per_step": 3.0, "path_us_per_step": 2.5, "calls_per_step": 2},
+        {"kernel": "(all kernels)", "us_per_step": 4000.0, "path_us_per_step": 3900.0,
+         "calls_per_step": 2, "stream_busy_us_per_step": [3000.0, 900.0]}]}
+    topk["pipelined_breakdown"] = [
+        {"kernel": "k|1", "us_per_step": 4.0, "path_us_per_step": 3.5, "calls_per_step": 2},
+        {"kernel": "new", "us_per_step": 1.0, "path_us_per_step": 1.0, "calls_per_step": 1},
+        {"kernel": "(all kernels)", "us_per_step": 4100.0, "path_us_per_step": 4000.0,
+         "calls_per_step": 3, "stream_busy_us_per_step": [3100.0, 900.0]}]
+    topk["pipelined_timeline"] = {"span_ms": 4.25, "idle_ms": 0.05, "concurrent_ms": 2.5,
+                                  "streams": 2, "idle_before": [
+                                      {"kernel": "j", "us_per_step": 40.0, "gaps_per_step": 2.0}]}
+    piped = "\n".join(bench._breakdown_markdown(topk))
+    assert ("GPU kernel time per step launched back to back, m dejavu_topk (torch.profiler over "
+            "8 steps after the pipelined loop's timed ones, the window taken whole; pipelined "
+            "4.50 ms a token; first kernel start to last kernel end 4.25 ms a step, of which "
+            "0.05 ms with no kernel running and 2.50 ms with two or more at once):") in piped
+    assert "| `k/1` | 3.5 | 2.5 | +1.0 | 2 |" in piped
+    assert "| `new` | 1.0 |  |  | 1 |" in piped  # no such kernel one step at a time
+    assert "| `(all kernels)` | 4000.0 | 3900.0 | +100.0 | 3 |" in piped
+    assert "1: 3.10 ms, 2: 0.90 ms." in piped and "`j` 40.0 (2.0)." in piped
+    # the section sits between the steps one at a time and the host's
+    assert piped.index("1: 3.00 ms") < piped.index("back to back") < piped.index("Host time")
 
 
 def test_fold_mode_folds_the_bench_predictors(tiny, tmp_path):
@@ -508,13 +533,68 @@ def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
         return Out()
 
     ids = torch.zeros(1, 6, dtype=torch.int64)
-    ms = bench._pipelined_ms(None, forward, ids, 3, 16)
+    ms = bench._pipelined(None, forward, ids, 3, 16)[0]
     warm = bench.PIPELINE_WARMUP
     assert ms >= 0 and len(calls) == warm + 3
     assert all(c is cache for c, _, _ in calls)
     assert [p for _, p, _ in calls] == list(range(6, 6 + warm)) + [6, 7, 8]
     assert all(p == q for _, p, q in calls)
     assert syncs == [warm, warm + 3]  # the clock starts after the warm-up has finished
+
+
+def test_pipelined_steps_are_profiled_after_the_timed_ones(monkeypatch):
+    """With ``profiled``, that many more steps run back to back under a CUDA profiler after the
+    timed ones, going on from their last position and token, with one synchronisation before
+    the profiler stops; the window is read whole (no host wait tells its steps apart)."""
+    import torch.profiler
+    from torch.autograd import DeviceType
+
+    calls, cache, marks = [], SimpleNamespace(layers=[]), []
+    monkeypatch.setattr(bench, "_prefilled", lambda model, ids, length: (cache, "mask"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: marks.append(("sync", len(calls))))
+
+    class Profile:
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def start(self):
+            marks.append(("start", len(calls)))
+
+        def stop(self):
+            marks.append(("stop", len(calls)))
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+
+    def forward(input_ids, past_key_values, cache_position, position_ids, attention_mask,
+                use_cache):
+        calls.append((int(cache_position), int(input_ids)))
+        logits = torch.zeros(1, 1, 9)
+        logits[0, 0, int(cache_position)] = 1.0  # the next token is this step's position
+        return SimpleNamespace(logits=logits)
+
+    ids = torch.zeros(1, 2, dtype=torch.int64)
+    ms, prof = bench._pipelined(None, forward, ids, 3, 16, profiled=2)
+    warm = bench.PIPELINE_WARMUP
+    assert isinstance(prof, Profile) and ms >= 0
+    assert [p for p, _ in calls[warm:]] == [2, 3, 4, 5, 6]
+    assert calls[warm + 3] == (5, 4)  # the token of the last timed step
+    assert marks == [("sync", warm), ("sync", warm + 3), ("start", warm + 3),
+                     ("sync", warm + 5), ("stop", warm + 5)]
+    assert bench._pipelined(None, forward, ids, 3, 16)[1] is None
+
+    # two steps back to back: 10 us idle inside the first, 4 between them, 20 with two running
+    def kernel(start, end, name="k", stream=7):
+        return SimpleNamespace(device_type=DeviceType.CUDA, name=name, device_resource_id=stream,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [kernel(0, 50), kernel(30, 50, stream=9), kernel(60, 100, name="j"),
+              kernel(104, 200, name="j")]
+    window = bench._window_timeline(SimpleNamespace(events=lambda: events), 2)
+    assert window["span_ms"] == pytest.approx(0.1) and window["idle_ms"] == pytest.approx(0.007)
+    assert window["concurrent_ms"] == pytest.approx(0.01) and window["streams"] == 2
+    assert window["idle_before"] == [{"kernel": "j", "us_per_step": pytest.approx(7.0),
+                                      "gaps_per_step": pytest.approx(1.0)}]
+    assert bench._window_timeline(SimpleNamespace(events=lambda: []), 2) is None
 
 
 def test_pipelined_timing_rewinds_the_static_cache(monkeypatch):
@@ -542,7 +622,7 @@ def test_pipelined_timing_rewinds_the_static_cache(monkeypatch):
 
     ids = torch.randint(0, 64, (1, prompt))
     with torch.no_grad():
-        bench._pipelined_ms(model, forward, ids, new, prompt + new)  # no room to spare
+        bench._pipelined(model, forward, ids, new, prompt + new)  # no room to spare
     assert written[-new:] == list(range(prompt, prompt + new))
 
 
