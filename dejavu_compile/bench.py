@@ -862,7 +862,7 @@ MODES = ("hf_eager", "hf_compiled", "hf_captured", "dejavu_dense", "dejavu_spars
          "dejavu_captured_qkv_merge_pdl", "dejavu_captured_ahead_merge_pdl",
          "dejavu_captured_qkv_selattn_pdl", "dejavu_captured_qkv_selattn_merge_pdl",
          "dejavu_captured_qkv_allattn_pdl", "dejavu_captured_qkv_chunk32_pdl",
-         "dejavu_captured_qkv_lenpos_pdl")
+         "dejavu_captured_qkv_lenpos_pdl", "dejavu_captured_qkv_whole_pdl")
 SPARSE_MODES = MODES[4:]
 # each bench shape's default decode step (the backend's default options, replayed through
 # CapturedStep): OPT's with the query, key and value in the lazy K/V launch; the other shapes'
@@ -1057,6 +1057,9 @@ _DEJAVU_MODES = {
     # 128 (decode_attention.LONG_CHUNK_ENV "32"; kernel_switches): OPT-13B's 40 KV heads over
     # the bench's 129-256 positions in 5-8 chunks a head instead of 2
     "dejavu_captured_qkv_chunk32_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
+    # and with one chunk a KV head ("whole"): 40 programs over the whole cache, each storing
+    # its finished rows, no combine launch
+    "dejavu_captured_qkv_whole_pdl": (True, True, BUCKET_UNITS, _CAPTURED_QKV),
     # and with each selected head's chunks merged by its last program in the split kernel
     # (option merge_attention): no combine launch
     "dejavu_captured_qkv_selattn_merge_pdl": (True, True, BUCKET_UNITS, {
@@ -1098,8 +1101,8 @@ def kernel_switches(mode: str):
     and finish kernels launch) "late" for the modes named ``*_normlate_pdl`` and
     ``*_exit_pdl``, ``DEJAVU_PDL_START`` (where a kernel starts its successor) "exit" for
     the modes named ``*_exit_pdl``, ``DEJAVU_ATTN_CHUNK`` (the decode attention's long
-    chunk) "32" for ``dejavu_captured_qkv_chunk32_pdl``, each unset otherwise; restored
-    afterwards."""
+    chunk) "32" for ``dejavu_captured_qkv_chunk32_pdl`` and "whole" for
+    ``dejavu_captured_qkv_whole_pdl``, each unset otherwise; restored afterwards."""
     from dejavu_compile.kernels.decode_attention import LONG_CHUNK_ENV
     from dejavu_compile.kernels.lazy_kv import GRID_ENV
     from dejavu_compile.kernels.triton_common import (
@@ -1120,8 +1123,10 @@ def kernel_switches(mode: str):
         os.environ.pop(NORM_LAUNCH_ENV, None)
         os.environ.pop(PDL_START_ENV, None)
         os.environ.pop(LONG_CHUNK_ENV, None)
-        if mode == "dejavu_captured_qkv_chunk32_pdl":
-            os.environ[LONG_CHUNK_ENV] = "32"
+        chunks = {"dejavu_captured_qkv_chunk32_pdl": "32",
+                  "dejavu_captured_qkv_whole_pdl": "whole"}
+        if mode in chunks:
+            os.environ[LONG_CHUNK_ENV] = chunks[mode]
         if mode.endswith(("_normlate_pdl", "_exit_pdl")):
             os.environ[NORM_LAUNCH_ENV] = "late"
         if mode.endswith("_exit_pdl"):

@@ -16,6 +16,10 @@ chunks itself and step 2 is not launched: each program counts itself done for it
 the last of them merges the group's chunks and sets the count back to zero. A decode step has
 one launch fewer per layer.
 
+A cache of one chunk a KV head (a short one with many KV heads or a large batch, or any with
+``DEJAVU_ATTN_CHUNK=whole``) needs no merge: the split kernel stores its finished rows, the
+values the merge of one chunk gives, and neither step 2 nor the counters are used.
+
 Given ``heads`` (ids of the query heads to compute, from the output projection's selection:
 the lower pass's option ``decode_selected_heads``), ``_split_heads_kernel`` and
 ``_combine_heads_kernel`` do the same over the KV groups of those heads only: program
@@ -51,9 +55,11 @@ CHUNK_UNIT = 16 if INTERPRET else 32
 LONG_CHUNK = 16 if INTERPRET else 128
 # ``DEJAVU_ATTN_CHUNK`` sets the long chunk's keys instead (a GPU study of shorter chunks:
 # OPT-13B's step, 40 KV heads, runs 2 chunks of 128 keys a head over the bench's 129-256
-# positions, 80 programs, and 3 over 257-384; 32-key chunks give 5-8 and 9-12)
+# positions, 80 programs, and 3 over 257-384; 32-key chunks give 5-8 and 9-12), or "whole":
+# one chunk a KV head, whatever the length (OPT-13B's step: 40 programs, no combine launch)
 LONG_CHUNK_ENV = "DEJAVU_ATTN_CHUNK"
 LONG_CHUNKS = (128, 64, 32)
+WHOLE = "whole"
 # enough programs to fill the GPU several times over; each chunk at least one unit
 PROGRAMS = 4 * 132
 MIN_PROGRAMS = PROGRAMS // 8  # half a wave of programs on an H200
@@ -76,16 +82,26 @@ def _fp32_dots(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
 
 
-def long_chunk() -> int:
-    """Keys per long chunk: ``LONG_CHUNK``, or ``DEJAVU_ATTN_CHUNK`` when set (one of
-    ``LONG_CHUNKS``; any other value is an error naming them)."""
+def _chunk_asked() -> str | None:
+    """``DEJAVU_ATTN_CHUNK``, checked: unset (None), one of ``LONG_CHUNKS`` or ``WHOLE``; any
+    other value is an error naming them."""
     asked = os.environ.get(LONG_CHUNK_ENV)
-    if asked is None:
-        return LONG_CHUNK
-    if asked not in {str(c) for c in LONG_CHUNKS}:
-        raise ValueError(f"{LONG_CHUNK_ENV}={asked!r}: set it to one of "
-                         f"{tuple(str(c) for c in LONG_CHUNKS)}")
-    return int(asked)
+    choices = (*(str(c) for c in LONG_CHUNKS), WHOLE)
+    if asked is not None and asked not in choices:
+        raise ValueError(f"{LONG_CHUNK_ENV}={asked!r}: set it to one of {choices}")
+    return asked
+
+
+def long_chunk() -> int:
+    """Keys per long chunk: ``LONG_CHUNK``, or ``DEJAVU_ATTN_CHUNK``'s keys when it names some
+    (with ``WHOLE``, ``LONG_CHUNK``: the unit a whole cache's chunk is rounded up to)."""
+    asked = _chunk_asked()
+    return LONG_CHUNK if asked in (None, WHOLE) else int(asked)
+
+
+def whole_cache() -> bool:
+    """Whether ``DEJAVU_ATTN_CHUNK`` asks for one chunk a KV head (``WHOLE``)."""
+    return _chunk_asked() == WHOLE
 
 
 def splits_for(batch_heads: int, length: int, unit: int | None = None) -> int:
@@ -99,8 +115,11 @@ def chunking(batch_heads: int, length: int) -> tuple[int, int]:
     """(keys per chunk, chunks) of a cache of ``length`` keys per KV head: ``splits_for``'s
     count of ``long_chunk()``-key units, or of ``CHUNK_UNIT``-key ones when that gives fewer
     than ``MIN_PROGRAMS`` programs; chunks rounded up to whole units (to whole long chunks once
-    longer than one)."""
+    longer than one). With ``whole_cache()``, one chunk of the whole cache, rounded up to whole
+    long chunks."""
     long = unit = long_chunk()
+    if whole_cache():
+        return triton.cdiv(length, long) * long, 1
     if batch_heads * splits_for(batch_heads, length, long) < MIN_PROGRAMS:
         unit = CHUNK_UNIT
     chunk = triton.cdiv(triton.cdiv(length, splits_for(batch_heads, length, unit)), unit) * unit
@@ -170,7 +189,8 @@ def _store_partials(o_ptr, m_ptr, l_ptr, part, rows, mask_g, offs_d, mask_d, acc
 
 
 # L_BUCKET (the cache length rounded up to a power of two) keys the tuning, so a cache that
-# grows by one position a step does not retune every step
+# grows by one position a step does not retune every step; DIRECT does not (the shipped
+# configs' keys predate it; its chunk's blocks are tuned as any chunk's)
 @triton.autotune(configs=_configs(), key=["L_BUCKET", "G", "D", "KVH", "CHUNK", "MERGE"],
                  prune_configs_by={"early_config_prune": _fitting})
 @triton.jit
@@ -182,6 +202,7 @@ def _split_kernel(
     IEEE: tl.constexpr,  # dots in fp32 (``_fp32_dots``)
     MERGE: tl.constexpr,  # the last program of each KV head merges its chunks (``cnt_ptr``)
     GR: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's rows and chunks at once
+    DIRECT: tl.constexpr,  # one chunk a KV head: the finished rows, no partials
     PDL: tl.constexpr,
 ):
     wait_inputs(PDL)  # the query and the cache are the kernels' before
@@ -198,8 +219,13 @@ def _split_kernel(
         v_ptr + b * sv_b + kvh * sv_h, mask_ptr + b * smask_b, rows, mask_g, offs_d, mask_d,
         start, tl.minimum(start + CHUNK, L), scale, sq_h, sk_l, sv_l, HAS_MASK, GP, BLOCK_D,
         BLOCK_L, IEEE)
-    _store_partials(o_ptr, m_ptr, l_ptr, bh * splits + chunk, rows, mask_g, offs_d, mask_d, acc,
-                    m, s_sum, GP, BLOCK_D)
+    if DIRECT:  # the merge of one chunk: its sums over its sum of weights
+        tl.store(out_ptr + b * so_b + (kvh * G + rows[:, None]) * so_h + offs_d[None, :],
+                 (acc / s_sum[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        _store_partials(o_ptr, m_ptr, l_ptr, bh * splits + chunk, rows, mask_g, offs_d, mask_d,
+                        acc, m, s_sum, GP, BLOCK_D)
     if MERGE:
         # every thread's stores before the count (its release); the last program's count
         # (its acquire) before its loads, which read the other programs' partials from L2
@@ -433,7 +459,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * kvh, g,
                                                                            length)
     block_s = merge_block(splits, gr, block_d)
-    merge = counters is not None
+    # one chunk a KV head: the split kernel stores the finished rows (the merge of one chunk,
+    # the same values), with neither a merge nor a combine launch
+    direct = splits == 1
+    merge = counters is not None and not direct
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
         counters if merge else part_m, out,
@@ -442,9 +471,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask is not None else 0,
         out.stride(0), out.stride(1),
         HAS_MASK=mask is not None, GP=gp, BLOCK_D=block_d, IEEE=_fp32_dots(k.dtype), MERGE=merge,
-        GR=gr, BLOCK_S=block_s, **pdl_meta(),
+        GR=gr, BLOCK_S=block_s, DIRECT=direct, **pdl_meta(),
     )
-    if merge:
+    if merge or direct:
         return out
     _combine_kernel[(b * kvh, triton.cdiv(g, COMBINE_ROWS))](
         part_o, part_m, part_l, out,

@@ -676,8 +676,9 @@ def test_only_the_grid_modes_set_the_lazy_grid(monkeypatch):
 
 def test_only_the_chunk_mode_sets_the_attention_chunk(monkeypatch):
     """``dejavu_captured_qkv_chunk32_pdl`` is the default OPT step with the decode attention's
-    long chunks of 32 keys (``DEJAVU_ATTN_CHUNK=32``); every other mode runs the default chunk
-    whatever the environment said; the environment is restored."""
+    long chunks of 32 keys (``DEJAVU_ATTN_CHUNK=32``) and ``dejavu_captured_qkv_whole_pdl``
+    with one chunk a KV head (``whole``); every other mode runs the default chunk whatever the
+    environment said; the environment is restored."""
     from dejavu_compile.kernels import decode_attention
 
     mode = "dejavu_captured_qkv_chunk32_pdl"
@@ -687,7 +688,11 @@ def test_only_the_chunk_mode_sets_the_attention_chunk(monkeypatch):
         with bench.kernel_switches(other):
             assert decode_attention.long_chunk() == decode_attention.LONG_CHUNK
     with bench.kernel_switches(mode):
-        assert decode_attention.long_chunk() == 32
+        assert decode_attention.long_chunk() == 32 and not decode_attention.whole_cache()
+    whole = "dejavu_captured_qkv_whole_pdl"
+    assert bench._DEJAVU_MODES[whole] == bench._DEJAVU_MODES["dejavu_captured_qkv_pdl"]
+    with bench.kernel_switches(whole):
+        assert decode_attention.whole_cache()
     assert os.environ[decode_attention.LONG_CHUNK_ENV] == "64"
 
 

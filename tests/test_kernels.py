@@ -643,8 +643,51 @@ def test_decode_attention_long_chunk_from_the_environment(monkeypatch):
                                    want, **TOL[f16])
     assert chunks == {(128, 1), (64, 2), (32, 3)}
     monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, "48")
-    with pytest.raises(ValueError, match="DEJAVU_ATTN_CHUNK='48'.*'128', '64', '32'"):
+    with pytest.raises(ValueError, match="DEJAVU_ATTN_CHUNK='48'.*'128', '64', '32', 'whole'"):
         decode_attention.chunking(40, 273)
+
+
+def test_decode_attention_of_one_chunk_stores_its_rows(monkeypatch):
+    """``DEJAVU_ATTN_CHUNK=whole`` cuts each KV head's cache into one chunk, whatever its length
+    (rounded up to whole long chunks). One chunk needs no merge: the split kernel stores the
+    finished rows, no combine is launched and the counters stay zero; the outputs are the
+    reference's, with and without a mask, and with a selection of heads (whose launches still
+    merge, to zero the heads no id names)."""
+    monkeypatch.setattr(decode_attention, "CHUNK_UNIT", 32)
+    monkeypatch.setattr(decode_attention, "LONG_CHUNK", 128)
+    monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, "whole")
+    assert decode_attention.whole_cache() and decode_attention.long_chunk() == 128
+    assert decode_attention.chunking(40, 273) == (384, 1)
+    assert decode_attention.chunking(1, 131072) == (131072, 1)
+    monkeypatch.undo()
+    f16 = torch.float16
+    q = _rand(1, 4, 1, 16, dtype=f16, seed=6) * 4
+    k, v = _rand(1, 2, 70, 16, dtype=f16, seed=7) * 4, _rand(1, 2, 70, 16, dtype=f16, seed=8)
+    mask = torch.ones(1, 70, dtype=torch.bool, device=DEVICE)
+    mask[:, :50] = False
+    counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    assert decode_attention.chunking(2, 70)[1] > 1  # by default, several chunks and a merge
+    monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, "whole")
+    long = decode_attention.LONG_CHUNK  # 16 keys under the interpreter, 128 compiled
+    assert decode_attention.chunking(2, 70) == (-(-70 // long) * long, 1)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("a combine launch for one chunk")
+
+    plain = decode_attention._combine_kernel
+    monkeypatch.setattr(decode_attention, "_combine_kernel", NoLaunch())
+    for m, c in itertools.product((None, mask), (None, counters)):
+        got = decode_attention.decode_attention(q, k, v, 0.25, m, c)
+        assert got.dtype == f16 and got.shape == q.shape
+        torch.testing.assert_close(got.double(),
+                                   _ref64(ref.decode_attention, q, k, v, 0.25, m), **TOL[f16])
+    assert not counters.any()
+    monkeypatch.setattr(decode_attention, "_combine_kernel", plain)
+    ids = torch.tensor([[2]], device=DEVICE)  # KV head 1's group only
+    torch.testing.assert_close(
+        decode_attention.decode_attention(q, k, v, 0.25, mask, None, ids).double(),
+        _ref64(ref.decode_attention, q, k, v, 0.25, mask, ids), **TOL[f16])
 
 
 def test_decode_attention_tunes_only_blocks_within_a_chunk():
