@@ -578,6 +578,18 @@ def test_decode_attention_kernel_over_selected_heads(monkeypatch, dtype, batch, 
         decode_attention.decode_attention(q, kk, v, scale, None, counters[: batch * k - 1], ids)
 
 
+def _two_kv_heads(length: int, hidden: int, seed: int):
+    """fp16 q [1, 4, 1, 16] over k and v [1, 2, length, 16] (two query heads a KV head), a
+    mask hiding the first ``hidden`` positions and zero counters, one per KV head."""
+    f16 = torch.float16
+    q = _rand(1, 4, 1, 16, dtype=f16, seed=seed) * 4
+    k = _rand(1, 2, length, 16, dtype=f16, seed=seed + 1) * 4
+    v = _rand(1, 2, length, 16, dtype=f16, seed=seed + 2)
+    mask = torch.ones(1, length, dtype=torch.bool, device=DEVICE)
+    mask[:, :hidden] = False
+    return q, k, v, mask, torch.zeros(2, dtype=torch.int32, device=DEVICE)
+
+
 def test_decode_attention_merges_chunks_in_blocks(monkeypatch):
     """A long cache's chunks are merged a few at a time (here 2 in the split kernel, which
     merges both rows of a group, so 300 keys take 10 rounds of the merge's loop; 4 in the
@@ -588,11 +600,7 @@ def test_decode_attention_merges_chunks_in_blocks(monkeypatch):
     assert decode_attention.merge_block(splits, 2, 16) == 2 < splits
     assert decode_attention.merge_block(splits, decode_attention.COMBINE_ROWS, 16) == 4 < splits
     f16 = torch.float16
-    q = _rand(1, 4, 1, 16, dtype=f16, seed=0) * 4
-    k, v = _rand(1, 2, 300, 16, dtype=f16, seed=1) * 4, _rand(1, 2, 300, 16, dtype=f16, seed=2)
-    mask = torch.ones(1, 300, dtype=torch.bool, device=DEVICE)
-    mask[:, :200] = False
-    counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    q, k, v, mask, counters = _two_kv_heads(300, 200, seed=0)
     for m, c in itertools.product((None, mask), (None, counters)):
         torch.testing.assert_close(decode_attention.decode_attention(q, k, v, 0.25, m, c).double(),
                                    _ref64(ref.decode_attention, q, k, v, 0.25, m), **TOL[f16])
@@ -661,11 +669,7 @@ def test_decode_attention_of_one_chunk_stores_its_rows(monkeypatch):
     assert decode_attention.chunking(1, 131072) == (131072, 1)
     monkeypatch.undo()
     f16 = torch.float16
-    q = _rand(1, 4, 1, 16, dtype=f16, seed=6) * 4
-    k, v = _rand(1, 2, 70, 16, dtype=f16, seed=7) * 4, _rand(1, 2, 70, 16, dtype=f16, seed=8)
-    mask = torch.ones(1, 70, dtype=torch.bool, device=DEVICE)
-    mask[:, :50] = False
-    counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    q, k, v, mask, counters = _two_kv_heads(70, 50, seed=6)
     assert decode_attention.chunking(2, 70)[1] > 1  # by default, several chunks and a merge
     monkeypatch.setenv(decode_attention.LONG_CHUNK_ENV, "whole")
     long = decode_attention.LONG_CHUNK  # 16 keys under the interpreter, 128 compiled
