@@ -1749,8 +1749,7 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
         lines += [f"Variant `{label}`: each dejavu mode measured again with {src['keys']} "
                   f"tuning keys from `{src['path']}` first (rows marked [{label}]).", ""]
     for f in result.get("failed", []):
-        mode = f["mode"] + (f" [{f['variant']}]" if f.get("variant") else "")
-        lines += [f"Failed: {f['model']} {mode} in round {f['round']} (return code "
+        lines += [f"Failed: {f['model']} {_variant_mode(f)} in round {f['round']} (return code "
                   f"{f['returncode']}): `{(f['output'].strip().splitlines() or [''])[-1]}`",
                   ""]
     if result.get("tuned_from"):
