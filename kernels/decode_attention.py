@@ -419,17 +419,20 @@ def _operands(q, k, v, mask):
     return q, k, v, mask
 
 
-def _targets(q: torch.Tensor, groups: int, g: int, length: int):
+def _targets(q: torch.Tensor, groups: int, g: int, length: int, direct: bool = False):
     """The sizes and buffers of a split launch over ``groups`` sets of chunks (sequence x KV
     head, or x slot of the ids) for query groups of ``g`` heads over ``length`` keys: the
     padded rows and head size (``GP``, ``BLOCK_D``), the merge's rows (``GR``), ``chunking``'s
-    keys per chunk and chunks, the fp32 partials (output, maximum, sum) and the output."""
+    keys per chunk and chunks, the fp32 partials (output, maximum, sum) and the output.
+    ``direct``: the launch stores finished rows when it has one chunk (``_split_kernel``'s
+    ``DIRECT``), and then the partials are one fp32 element each, never read or written."""
     b, h, _, d = q.shape
     gr = triton.next_power_of_2(g)
     gp, block_d = max(16, gr), max(16, triton.next_power_of_2(d))
     chunk, splits = chunking(groups, length)
-    part_o = torch.empty(groups * splits * gp * block_d, device=q.device, dtype=torch.float32)
-    part_m = torch.empty(groups * splits * gp, device=q.device, dtype=torch.float32)
+    rows = 0 if direct and splits == 1 else groups * splits * gp
+    part_o = torch.empty(max(1, rows * block_d), device=q.device, dtype=torch.float32)
+    part_m = torch.empty(max(1, rows), device=q.device, dtype=torch.float32)
     out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
     return gp, block_d, gr, chunk, splits, part_o, part_m, torch.empty_like(part_m), out
 
@@ -457,7 +460,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q, k, v, mask = _operands(q, k, v, mask)
     g = h // kvh
     gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * kvh, g,
-                                                                           length)
+                                                                           length, direct=True)
     block_s = merge_block(splits, gr, block_d)
     # one chunk a KV head: the split kernel stores the finished rows (the merge of one chunk,
     # the same values), with neither a merge nor a combine launch

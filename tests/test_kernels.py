@@ -679,7 +679,14 @@ def test_decode_attention_of_one_chunk_stores_its_rows(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("a combine launch for one chunk")
 
-    plain = decode_attention._combine_kernel
+    plain, targets, partials = decode_attention._combine_kernel, decode_attention._targets, []
+
+    def counted(*args, **kwargs):  # the partial buffers' sizes, (output, maximum, sum)
+        made = targets(*args, **kwargs)
+        partials.append(tuple(t.numel() for t in made[5:8]))
+        return made
+
+    monkeypatch.setattr(decode_attention, "_targets", counted)
     monkeypatch.setattr(decode_attention, "_combine_kernel", NoLaunch())
     for m, c in itertools.product((None, mask), (None, counters)):
         got = decode_attention.decode_attention(q, k, v, 0.25, m, c)
@@ -687,11 +694,13 @@ def test_decode_attention_of_one_chunk_stores_its_rows(monkeypatch):
         torch.testing.assert_close(got.double(),
                                    _ref64(ref.decode_attention, q, k, v, 0.25, m), **TOL[f16])
     assert not counters.any()
+    assert partials == [(1, 1, 1)] * 4  # one chunk: no partials kept, one placeholder element
     monkeypatch.setattr(decode_attention, "_combine_kernel", plain)
     ids = torch.tensor([[2]], device=DEVICE)  # KV head 1's group only
     torch.testing.assert_close(
         decode_attention.decode_attention(q, k, v, 0.25, mask, None, ids).double(),
         _ref64(ref.decode_attention, q, k, v, 0.25, mask, ids), **TOL[f16])
+    assert partials[-1][1] == 16  # the selection keeps its slot's partials (16 padded rows)
 
 
 def test_decode_attention_tunes_only_blocks_within_a_chunk():
