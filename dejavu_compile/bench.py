@@ -405,6 +405,12 @@ class DecodeResult:
     # launched back to back, after the pipelined loop's timed ones
     pipelined_breakdown: list[dict] | None = None
     pipelined_timeline: dict | None = None
+    # the spread of each timed step (``step_spread``): one at a time (host clock, the times
+    # ``ms_per_token`` is the median of) and back to back (CUDA events between the pipelined
+    # loop's steps; CUDA only): its mean is ``pipelined_ms``'s, so a gap between the two
+    # medians is the steps' own, one between a mean and its median a few slow steps'
+    step_spread: dict | None = None
+    pipelined_spread: dict | None = None
     # the bytes of the model's weights read densely (``weight_bytes``), whatever the mode
     # reads: their floor is the dense byte floor, half of which is issue 4's stretch target
     dense_bytes: int | None = None
@@ -750,8 +756,8 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     if host_prof is not None:
         host_prof.stop()
     with pinned(cpus):
-        pipelined, piped_prof = _pipelined(model, forward, ids, new, length,
-                                           PROFILED_STEPS if breakdown else 0)
+        pipelined, piped_steps, piped_prof = _pipelined(model, forward, ids, new, length,
+                                                        PROFILED_STEPS if breakdown else 0)
     qs = statistics.quantiles(times, n=10)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
@@ -763,7 +769,37 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
                  "pipelined_timeline": _window_timeline(piped_prof, PROFILED_STEPS)}
     return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
                         kernels, statistics.median(host), pipelined, timeline, host_events,
-                        **piped)
+                        **piped, step_spread=step_spread(times),
+                        pipelined_spread=step_spread(piped_steps))
+
+
+def step_spread(ms: list[float] | None) -> dict | None:
+    """The spread of step times ``ms``: mean, median, p20, p80, the slowest, and the steps over
+    twice the median with their time beyond it in ms per step of all (what they add to the
+    mean); None without at least two steps."""
+    if not ms or len(ms) < 2:
+        return None
+    med = statistics.median(ms)
+    qs = statistics.quantiles(ms, n=10)
+    slow = [t for t in ms if t > 2 * med]
+    return {"mean": statistics.fmean(ms), "median": med, "p20": qs[1], "p80": qs[7],
+            "max": max(ms), "slow_steps": len(slow),
+            "slow_excess_ms": sum(t - med for t in slow) / len(ms)}
+
+
+def _step_mark(device: torch.device):
+    """A function recording a timed CUDA event on the current stream and returning it, on a
+    CUDA device (no synchronisation: the pipelined loop's steps stay back to back); None on
+    another device."""
+    if device.type != "cuda":
+        return None
+
+    def mark():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    return mark
 
 
 # untimed steps of the pipelined loop on its cache before the timed ones: a cache at new
@@ -785,24 +821,28 @@ def _rewind(cache, length: int) -> None:
 
 
 def _pipelined(model, forward, ids: torch.Tensor, new: int, length: int,
-               profiled: int = 0) -> tuple[float, object | None]:
+               profiled: int = 0) -> tuple[float, list[float] | None, object | None]:
     """ms per token of ``new`` decode steps after a prefill of ``ids`` into a static cache of
     ``length`` positions (the timed steps' length: another would recompile), launched without
     waiting for each other: the next token and its position never leave the GPU, and the one
     synchronisation is after the last step. ``PIPELINE_WARMUP`` steps on the same cache come
     first, untimed; the timed steps then start again from the prompt's end (``_rewind``).
-    Also, with ``profiled``, the finished CUDA profiler of that many more steps launched back
-    to back after the timed ones, from where they stopped (the cache needs room for them);
-    else None."""
+    Also each timed step's ms between CUDA events recorded before the first and after each
+    (``_step_mark``; None off CUDA), and, with ``profiled``, the finished CUDA profiler of
+    that many more steps launched back to back after the timed ones, from where they stopped
+    (the cache needs room for them); else None."""
     prompt = ids.shape[1]
     cache, mask = _prefilled(model, ids, length)
+    mark = _step_mark(ids.device)
 
-    def steps(count: int, pos: torch.Tensor, tok: torch.Tensor):
+    def steps(count: int, pos: torch.Tensor, tok: torch.Tensor, marks: list | None = None):
         for _ in range(count):
             out = forward(input_ids=tok, past_key_values=cache, cache_position=pos,
                           position_ids=pos[None], attention_mask=mask, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             pos = pos + 1  # a fresh tensor, like the timed loop's (a view would recompile)
+            if marks is not None:
+                marks.append(mark())
         return pos, tok
 
     def first():
@@ -812,11 +852,13 @@ def _pipelined(model, forward, ids: torch.Tensor, new: int, length: int,
     _rewind(cache, prompt)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    pos, tok = steps(new, *first())
+    marks = None if mark is None else [mark()]
+    pos, tok = steps(new, *first(), marks)
     torch.cuda.synchronize()
     ms = 1e3 * (time.perf_counter() - start) / new
+    each = None if marks is None else [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
     if not profiled:
-        return ms, None
+        return ms, each, None
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CUDA])
@@ -824,7 +866,7 @@ def _pipelined(model, forward, ids: torch.Tensor, new: int, length: int,
     steps(profiled, pos, tok)
     torch.cuda.synchronize()
     prof.stop()
-    return ms, prof
+    return ms, each, prof
 
 
 def weight_bytes(model) -> int:
@@ -1548,6 +1590,7 @@ def run(models: list[str], out_json: str | None = None, kernels: bool = True,
                        "dense_floor_ms": (None if res.dense_bytes is None
                                           else res.dense_bytes / bw * 1e3),
                        "host_ms": res.host_ms, "pipelined_ms": res.pipelined_ms,
+                       "step_spread": res.step_spread, "pipelined_spread": res.pipelined_spread,
                        "operating_point": point, "prompt": prompt,
                        "cache_positions": positions,
                        "kv_cache_bytes": kv_cache_bytes(configs[name], positions)}
@@ -1812,6 +1855,7 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
             lines += ["bytes/token and the byte floor count weights only. The static K/V cache "
                       f"(every layer and KV head) holds {held}; each step's attention reads all of "
                       "it (with option decode_selected_heads, the selected heads' part).", ""]
+        lines += _spread_markdown(result["e2e"])
         lines += _rounds_markdown(result["e2e"], hf)
         for r in result["e2e"]:
             if r.get("breakdown"):
@@ -1819,6 +1863,32 @@ def markdown(result: dict, command: str, commit: str, date: str) -> str:
     if result.get("kv"):
         lines += _kv_markdown(result["kv"])
     return "\n".join(lines)
+
+
+def _spread_markdown(rows: list[dict]) -> list[str]:
+    """Each row's step times one at a time and back to back (``step_spread``), mean beside
+    median: ms/token is a median of steps one at a time, pipelined ms/token a mean of steps
+    back to back; rows without either spread are left out."""
+    def cell(spread: dict | None) -> str:
+        if not spread:
+            return " | "
+        slow = (f"{spread['slow_steps']} ({spread['slow_excess_ms']:.2f} ms a step)"
+                if spread["slow_steps"] else "0")
+        return (f"{spread['mean']:.2f} / {spread['median']:.2f} / {spread['max']:.2f} | "
+                f"{slow}")
+
+    shown = [r for r in rows if r.get("step_spread") or r.get("pipelined_spread")]
+    if not shown:
+        return []
+    lines = ["Step times, ms (mean / median / slowest), and the steps over twice the median "
+             "with what they add to the mean: one at a time (the host's clock) and back to "
+             "back (CUDA events between the pipelined loop's steps).", "",
+             "| model | mode | one at a time | over twice the median | back to back | "
+             "over twice the median |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in shown:
+        lines.append(f"| {r['model']} | {_mode_label(r)} | {cell(r.get('step_spread'))} | "
+                     f"{cell(r.get('pipelined_spread'))} |")
+    return lines + [""]
 
 
 def _mode_label(row: dict) -> str:

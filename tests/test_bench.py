@@ -533,9 +533,10 @@ def test_pipelined_timing_warms_up_on_its_own_cache(monkeypatch):
         return Out()
 
     ids = torch.zeros(1, 6, dtype=torch.int64)
-    ms = bench._pipelined(None, forward, ids, 3, 16)[0]
+    ms, each, prof = bench._pipelined(None, forward, ids, 3, 16)
     warm = bench.PIPELINE_WARMUP
     assert ms >= 0 and len(calls) == warm + 3
+    assert each is None and prof is None  # no CUDA events off CUDA, no profiler unasked
     assert all(c is cache for c, _, _ in calls)
     assert [p for _, p, _ in calls] == list(range(6, 6 + warm)) + [6, 7, 8]
     assert all(p == q for _, p, q in calls)
@@ -573,14 +574,14 @@ def test_pipelined_steps_are_profiled_after_the_timed_ones(monkeypatch):
         return SimpleNamespace(logits=logits)
 
     ids = torch.zeros(1, 2, dtype=torch.int64)
-    ms, prof = bench._pipelined(None, forward, ids, 3, 16, profiled=2)
+    ms, _, prof = bench._pipelined(None, forward, ids, 3, 16, profiled=2)
     warm = bench.PIPELINE_WARMUP
     assert isinstance(prof, Profile) and ms >= 0
     assert [p for p, _ in calls[warm:]] == [2, 3, 4, 5, 6]
     assert calls[warm + 3] == (5, 4)  # the token of the last timed step
     assert marks == [("sync", warm), ("sync", warm + 3), ("start", warm + 3),
                      ("sync", warm + 5), ("stop", warm + 5)]
-    assert bench._pipelined(None, forward, ids, 3, 16)[1] is None
+    assert bench._pipelined(None, forward, ids, 3, 16)[2] is None
 
     # two steps back to back: 10 us idle inside the first, 4 between them, 20 with two running
     def kernel(start, end, name="k", stream=7):
@@ -595,6 +596,59 @@ def test_pipelined_steps_are_profiled_after_the_timed_ones(monkeypatch):
     assert window["idle_before"] == [{"kernel": "j", "us_per_step": pytest.approx(7.0),
                                       "gaps_per_step": pytest.approx(1.0)}]
     assert bench._window_timeline(SimpleNamespace(events=lambda: []), 2) is None
+
+
+def test_pipelined_steps_are_timed_between_events(monkeypatch):
+    """On CUDA the pipelined loop records an event before its first timed step and after each
+    (none in the warm-up), with no synchronisation between, and gives each step's time
+    between its two events; off CUDA it records none."""
+    calls, cache, syncs, marks = [], SimpleNamespace(layers=[]), [], []
+    monkeypatch.setattr(bench, "_prefilled", lambda model, ids, length: (cache, "mask"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(len(calls)))
+
+    class Event:  # elapsed_time: the ms between two marks, 1 ms a step after the third
+        def __init__(self):
+            self.at = len(calls)
+            marks.append(self.at)
+
+        def elapsed_time(self, other):
+            return float(sum(1 if i > warm + 2 else 0.5 for i in range(self.at, other.at)))
+
+    warm, real = bench.PIPELINE_WARMUP, bench._step_mark
+    assert real(torch.device("cpu")) is None
+    monkeypatch.setattr(bench, "_step_mark", lambda device: Event)
+
+    def forward(input_ids, past_key_values, cache_position, position_ids, attention_mask,
+                use_cache):
+        calls.append(int(cache_position))
+        return SimpleNamespace(logits=torch.zeros(1, 1, 5))
+
+    ids = torch.zeros(1, 6, dtype=torch.int64)
+    ms, each, _ = bench._pipelined(None, forward, ids, 5, 16)
+    assert marks == [warm, warm + 1, warm + 2, warm + 3, warm + 4, warm + 5]
+    assert syncs == [warm, warm + 5] and each == [0.5, 0.5, 0.5, 1.0, 1.0]
+    spread = bench.step_spread(each)
+    assert spread["mean"] == pytest.approx(0.7) and spread["median"] == 0.5
+    assert spread["max"] == 1.0 and spread["slow_steps"] == 0
+
+
+def test_step_spread_counts_the_slow_steps():
+    """``step_spread``: mean, median, p20/p80 and slowest of the step times, and the steps over
+    twice the median with their time beyond it per step of all (what they add to the mean);
+    fewer than two steps give none."""
+    spread = bench.step_spread([4.0] * 8 + [20.0, 4.1])
+    assert spread["median"] == pytest.approx(4.0) and spread["max"] == 20.0
+    assert spread["mean"] == pytest.approx(5.61)
+    assert spread["slow_steps"] == 1 and spread["slow_excess_ms"] == pytest.approx(1.6)
+    assert spread["p20"] == pytest.approx(4.0)
+    assert bench.step_spread([4.0]) is None and bench.step_spread(None) is None
+    rows = [{"model": "opt-13b", "mode": "dejavu_captured_qkv_pdl", "round": 0,
+             "step_spread": bench.step_spread([4.0, 4.0, 4.2]), "pipelined_spread": spread},
+            {"model": "opt-13b", "mode": "hf_eager"}]
+    text = "\n".join(bench._spread_markdown(rows))
+    assert ("| opt-13b | dejavu_captured_qkv_pdl (round 0) | 4.07 / 4.00 / 4.20 | 0 | "
+            "5.61 / 4.00 / 20.00 | 1 (1.60 ms a step) |") in text
+    assert "hf_eager" not in text and bench._spread_markdown(rows[1:]) == []
 
 
 def test_pipelined_timing_rewinds_the_static_cache(monkeypatch):
