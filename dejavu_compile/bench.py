@@ -407,8 +407,9 @@ class DecodeResult:
     pipelined_timeline: dict | None = None
     # the spread of each timed step (``step_spread``): one at a time (host clock, the times
     # ``ms_per_token`` is the median of) and back to back (CUDA events between the pipelined
-    # loop's steps; CUDA only): its mean is ``pipelined_ms``'s, so a gap between the two
-    # medians is the steps' own, one between a mean and its median a few slow steps'
+    # loop's steps; CUDA only; its mean is ``pipelined_ms`` less the host's time before the
+    # first step's launch): a gap between the two medians is every step's, one between a
+    # mean and its median a few slow steps'
     step_spread: dict | None = None
     pipelined_spread: dict | None = None
     # the bytes of the model's weights read densely (``weight_bytes``), whatever the mode
