@@ -759,7 +759,7 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     with pinned(cpus):
         pipelined, piped_steps, piped_prof = _pipelined(model, forward, ids, new, length,
                                                         PROFILED_STEPS if breakdown else 0)
-    qs = statistics.quantiles(times, n=10)
+    spread = step_spread(times)
     peak = torch.cuda.max_memory_allocated() / 2**30
     kernels = _kernel_breakdown(prof, PROFILED_STEPS) if prof is not None else None
     timeline = _gpu_timeline(prof, PROFILED_STEPS) if prof is not None else None
@@ -768,10 +768,9 @@ def decode_latency(model, forward, prompt: int, new: int, mode: str, bytes_per_t
     if piped_prof is not None:
         piped = {"pipelined_breakdown": _kernel_breakdown(piped_prof, PROFILED_STEPS),
                  "pipelined_timeline": _window_timeline(piped_prof, PROFILED_STEPS)}
-    return DecodeResult(mode, statistics.median(times), (qs[1], qs[7]), bytes_per_token, peak,
-                        kernels, statistics.median(host), pipelined, timeline, host_events,
-                        **piped, step_spread=step_spread(times),
-                        pipelined_spread=step_spread(piped_steps))
+    return DecodeResult(mode, spread["median"], (spread["p20"], spread["p80"]), bytes_per_token,
+                        peak, kernels, statistics.median(host), pipelined, timeline, host_events,
+                        **piped, step_spread=spread, pipelined_spread=step_spread(piped_steps))
 
 
 def step_spread(ms: list[float] | None) -> dict | None:

@@ -419,22 +419,26 @@ def _operands(q, k, v, mask):
     return q, k, v, mask
 
 
-def _targets(q: torch.Tensor, groups: int, g: int, length: int, direct: bool = False):
-    """The sizes and buffers of a split launch over ``groups`` sets of chunks (sequence x KV
+def _targets(q: torch.Tensor, groups: int, g: int, length: int):
+    """The sizes and output of a split launch over ``groups`` sets of chunks (sequence x KV
     head, or x slot of the ids) for query groups of ``g`` heads over ``length`` keys: the
     padded rows and head size (``GP``, ``BLOCK_D``), the merge's rows (``GR``), ``chunking``'s
-    keys per chunk and chunks, the fp32 partials (output, maximum, sum) and the output.
-    ``direct``: the launch stores finished rows when it has one chunk (``_split_kernel``'s
-    ``DIRECT``), and then the partials are one fp32 element each, never read or written."""
+    keys per chunk and chunks, and the output."""
     b, h, _, d = q.shape
     gr = triton.next_power_of_2(g)
     gp, block_d = max(16, gr), max(16, triton.next_power_of_2(d))
     chunk, splits = chunking(groups, length)
-    rows = 0 if direct and splits == 1 else groups * splits * gp
+    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    return gp, block_d, gr, chunk, splits, out
+
+
+def _partials(q: torch.Tensor, rows: int, block_d: int):
+    """The fp32 partials (output, maximum, sum) of ``rows`` padded rows of ``block_d``; with no
+    rows (a launch that stores its finished rows, ``_split_kernel``'s ``DIRECT``), one element
+    each, never read or written."""
     part_o = torch.empty(max(1, rows * block_d), device=q.device, dtype=torch.float32)
     part_m = torch.empty(max(1, rows), device=q.device, dtype=torch.float32)
-    out = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
-    return gp, block_d, gr, chunk, splits, part_o, part_m, torch.empty_like(part_m), out
+    return part_o, part_m, torch.empty_like(part_m)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -459,12 +463,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kvh, length = k.shape[1], k.shape[2]
     q, k, v, mask = _operands(q, k, v, mask)
     g = h // kvh
-    gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * kvh, g,
-                                                                           length, direct=True)
+    gp, block_d, gr, chunk, splits, out = _targets(q, b * kvh, g, length)
     block_s = merge_block(splits, gr, block_d)
     # one chunk a KV head: the split kernel stores the finished rows (the merge of one chunk,
-    # the same values), with neither a merge nor a combine launch
+    # the same values), with neither partials, a merge nor a combine launch
     direct = splits == 1
+    part_o, part_m, part_l = _partials(q, 0 if direct else b * kvh * splits * gp, block_d)
     merge = counters is not None and not direct
     _split_kernel[(b * kvh, splits)](
         q, k, v, mask if mask is not None else q, part_o, part_m, part_l,
@@ -498,7 +502,8 @@ def _heads(q, k, v, scale, mask, counters, heads):
     q, k, v, mask = _operands(q, k, v, mask)
     ids = heads.reshape(-1, heads.shape[-1]).contiguous()
     s, stride_ids = ids.shape[1], 0 if ids.shape[0] == 1 else ids.stride(0)
-    gp, block_d, gr, chunk, splits, part_o, part_m, part_l, out = _targets(q, b * s, g, length)
+    gp, block_d, gr, chunk, splits, out = _targets(q, b * s, g, length)
+    part_o, part_m, part_l = _partials(q, b * s * splits * gp, block_d)
     merge = counters is not None
     slots = s + 1 if merge else s  # merging: the zeroes' slot is the split kernel's
     sizes = {"BLOCK_D": block_d, "BLOCK_IDS": triton.next_power_of_2(s),

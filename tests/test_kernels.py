@@ -679,14 +679,14 @@ def test_decode_attention_of_one_chunk_stores_its_rows(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("a combine launch for one chunk")
 
-    plain, targets, partials = decode_attention._combine_kernel, decode_attention._targets, []
+    plain, made, partials = decode_attention._combine_kernel, decode_attention._partials, []
 
     def counted(*args, **kwargs):  # the partial buffers' sizes, (output, maximum, sum)
-        made = targets(*args, **kwargs)
-        partials.append(tuple(t.numel() for t in made[5:8]))
-        return made
+        buffers = made(*args, **kwargs)
+        partials.append(tuple(t.numel() for t in buffers))
+        return buffers
 
-    monkeypatch.setattr(decode_attention, "_targets", counted)
+    monkeypatch.setattr(decode_attention, "_partials", counted)
     monkeypatch.setattr(decode_attention, "_combine_kernel", NoLaunch())
     for m, c in itertools.product((None, mask), (None, counters)):
         got = decode_attention.decode_attention(q, k, v, 0.25, m, c)
